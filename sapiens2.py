@@ -1,0 +1,531 @@
+"""Sapiens2: the backbone in one file, in the order a token meets the code.
+
+Architecture (Meta's Sapiens2, all sizes):
+  * 16x16 patch embedding (a strided conv), then [CLS, 8 register tokens, patches in row-major order].
+    No absolute position embedding: position enters only through 2-D RoPE on the patch tokens.
+  * Pre-norm transformer blocks with RMSNorm (eps 1e-6):
+      x = x + gamma * proj(attention(rope(qk_norm(q)), rope(qk_norm(k)), v))   LayerScale on attention only
+      x = x + w3(silu(a) * b),  a, b = w12(ln2(x)).chunk(2)                     SwiGLU of width 4C, no LayerScale
+  * Grouped-query attention: the first 8 and the last 8 blocks are full multi-head, the blocks between
+    use heads // 2 key/value heads.
+  * A final RMSNorm over all tokens.
+  * The 4K variant first turns each 4x4 window of patches into one token with a small windowed
+    transformer (the "tokenizer"), so a 4096x3072 image costs the main blocks what 1024x768 does.
+
+RoPE comes in two numerical conventions (`Sapiens2Config.rope_dtype`):
+  * "bfloat16" (default): the original computation, step by step in bf16, with q and k rounded through
+    bf16 around the rotation. The released weights were trained this way.
+  * "float32": the HF transformers computation (tables in fp32, cast to the activation dtype).
+
+Module and parameter names follow the original checkpoints (`blocks.{i}.attn.wq`, `ffn.w12`, ...), so an
+original file loads without renaming; weights.py maps the other formats onto these names.
+The attention and the q/k-norm+RoPE math live in kernels/ (a PyTorch reference, and Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+# ----------------------------------------------------------------------------------------------------
+# Config and size presets
+# ----------------------------------------------------------------------------------------------------
+
+ROPE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class Sapiens2Config:
+    embed_dim: int = 1024  # C
+    depth: int = 24  # L, number of main blocks
+    num_heads: int = 16
+    # GQA layout: blocks [0, full_attention_first) and [depth - full_attention_last, depth) use full
+    # multi-head attention, the blocks between use `gqa_kv_heads` (default num_heads // 2) kv heads.
+    # `kv_heads_per_layer` (one entry per block) overrides the rule.
+    gqa_kv_heads: int | None = None
+    full_attention_first: int = 8
+    full_attention_last: int = 8
+    kv_heads_per_layer: tuple[int, ...] | None = None
+    ffn_dim: int | None = None  # SwiGLU hidden width F, default 4C
+    patch_size: int = 16
+    in_channels: int = 3
+    num_register_tokens: int = 8
+    image_size: tuple[int, int] = (1024, 768)  # (H, W) the model was trained at; forward accepts others
+    norm_eps: float = 1e-6
+    layer_scale_init: float = 1e-4
+    # RoPE
+    rope_base: float = 100.0
+    rope_dtype: str = "bfloat16"  # "bfloat16": as the original (and the released weights); "float32": as HF
+    # Training-time coordinate augmentation (None = off; the released models used none). As in HF: shift
+    # adds U(-s, s) per axis, jitter and rescale multiply by a log-uniform factor in [1/j, j] (per axis)
+    # and [1/r, r] (both axes).
+    rope_shift: float | None = None
+    rope_jitter: float | None = None
+    rope_rescale: float | None = None
+    # 4K variant: windowed tokenizer before the main blocks
+    use_tokenizer: bool = False
+    tokenizer_window: int = 4
+    tokenizer_layers: int = 2
+    # Masked-image pretraining: a learned token that replaces masked patches
+    use_mask_token: bool = False
+    # Stochastic depth, rising linearly from 0 at the first block to drop_path_rate at the last
+    drop_path_rate: float = 0.0
+
+    def __post_init__(self):
+        self.image_size = tuple(self.image_size)
+        if self.kv_heads_per_layer is not None:
+            self.kv_heads_per_layer = tuple(int(h) for h in self.kv_heads_per_layer)
+            if len(self.kv_heads_per_layer) != self.depth:
+                raise ValueError(f"kv_heads_per_layer has {len(self.kv_heads_per_layer)} entries for {self.depth} blocks")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.head_dim % 4:
+            raise ValueError(f"2-D RoPE needs a head dim divisible by 4, got {self.head_dim}")
+        for heads in self.layer_kv_heads:
+            if heads < 1 or self.num_heads % heads:
+                raise ValueError(f"kv heads {heads} must divide num_heads {self.num_heads}")
+        if self.rope_dtype not in ROPE_DTYPES:
+            raise ValueError(f"rope_dtype must be one of {sorted(ROPE_DTYPES)}, got {self.rope_dtype!r}")
+
+    # Derived values: computed here and nowhere else.
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.ffn_dim or 4 * self.embed_dim
+
+    @property
+    def layer_kv_heads(self) -> tuple[int, ...]:
+        """Key/value heads of each main block."""
+        if self.kv_heads_per_layer is not None:
+            return self.kv_heads_per_layer
+        gqa = self.gqa_kv_heads or self.num_heads // 2
+        last_gqa = self.depth - self.full_attention_last
+        return tuple(
+            self.num_heads if i < self.full_attention_first or i >= last_gqa else gqa for i in range(self.depth)
+        )
+
+    @property
+    def size_multiple(self) -> int:
+        """Input H and W must be multiples of this (a patch, or a tokenizer window of patches)."""
+        return self.patch_size * (self.tokenizer_window if self.use_tokenizer else 1)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return 1 + self.num_register_tokens
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["image_size"] = list(self.image_size)
+        if d["kv_heads_per_layer"] is not None:
+            d["kv_heads_per_layer"] = list(d["kv_heads_per_layer"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Sapiens2Config":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown Sapiens2Config fields: {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "Sapiens2Config":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+# One row per released size. Parameter counts are of the backbone alone (buffers excluded), as computed
+# from the original architecture table; tests/test_sapiens2.py checks every row on the meta device.
+#           name        C     L   heads  tokenizer layers (used by the 4K variant only)    params
+PRESETS: dict[str, Sapiens2Config] = {
+    "0.1b": Sapiens2Config(768, 12, 12, tokenizer_layers=2),  # 113,993,472 (no GQA block: 12 <= 8 + 8)
+    "0.4b": Sapiens2Config(1024, 24, 16, tokenizer_layers=2),  # 395,450,368
+    "0.8b": Sapiens2Config(1280, 32, 16, tokenizer_layers=3),  # 814,283,520 (head dim 80)
+    "1b": Sapiens2Config(1536, 40, 24, tokenizer_layers=4),  # 1,455,474,176
+    "1b-4k": Sapiens2Config(1536, 40, 24, tokenizer_layers=4, use_tokenizer=True, image_size=(4096, 3072)),  # 1,606,588,928
+    "5b": Sapiens2Config(2432, 56, 32, tokenizer_layers=6),  # 5,066,902,976 (head dim 76)
+}
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a weight, computed in fp32 and rounded once (torch.nn.RMSNorm's numerics)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm_reference(x, self.weight, self.eps)
+
+
+class PatchEmbed(nn.Module):
+    """(B, 3, H, W) -> (B, H/16 * W/16, C), patches in row-major order."""
+
+    def __init__(self, config: Sapiens2Config):
+        super().__init__()
+        p = config.patch_size
+        self.projection = nn.Conv2d(config.in_channels, config.embed_dim, kernel_size=p, stride=p)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.projection(pixels).flatten(2).transpose(1, 2)  # (B, C, h, w) -> (B, h*w, C)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2-D rotary position embedding
+# ----------------------------------------------------------------------------------------------------
+
+
+class RotaryEmbedding2D(nn.Module):
+    """cos/sin tables (h*w, D) for a grid of h x w patches.
+
+    Each patch centre gets coordinates in [-1, 1], separately per axis: y = 2 (i + 0.5) / h - 1,
+    x = 2 (j + 0.5) / w - 1. With D/4 frequencies f_k = 1 / base^(4k / D), the angles are
+        ang = 2 pi * [y f_0 .. y f_{D/4-1} | x f_0 .. x f_{D/4-1} | y f_0 .. | x f_0 ..]     # (h*w, D)
+    i.e. [y | x] tiled twice, which rotate_half pairs as (j, j + D/2): dims j and j + D/2 turn together
+    with the same angle. Worked example, D = 8 (two frequencies): dims 0/4 turn by 2 pi y f_0, 1/5 by
+    2 pi y f_1, 2/6 by 2 pi x f_0, 3/7 by 2 pi x f_1.
+    """
+
+    def __init__(self, config: Sapiens2Config):
+        super().__init__()
+        self.config = config
+        self._cache: dict = {}
+
+    def forward(self, h: int, w: int, device: torch.device, dtype: torch.dtype):
+        """Tables for an h x w grid. `dtype` is the activation dtype (the fp32 convention casts to it)."""
+        config = self.config
+        augment = self.training and any(
+            a is not None for a in (config.rope_shift, config.rope_jitter, config.rope_rescale)
+        )
+        if augment:
+            return self._tables(h, w, device, dtype, augment=True)
+        key = (h, w, device, dtype, config.rope_dtype)
+        if key not in self._cache:
+            self._cache[key] = self._tables(h, w, device, dtype, augment=False)
+        return self._cache[key]
+
+    def _tables(self, h, w, device, dtype, augment: bool):
+        if self.config.rope_dtype == "bfloat16":
+            return rope_tables_bf16(self.config.head_dim, self.config.rope_base, h, w, device, self._augment if augment else None)
+        return tuple(t.to(dtype) for t in self._tables_fp32(h, w, device, augment))
+
+    def _tables_fp32(self, h, w, device, augment: bool):
+        """HF transformers' computation: inverse frequencies and angles in fp32."""
+        d = self.config.head_dim
+        inv_freq = 1 / self.config.rope_base ** torch.arange(0, 1, 4 / d, dtype=torch.float32, device=device)  # (D/4,)
+        coords = patch_centre_coordinates(h, w, torch.float32, device)  # (h*w, 2)
+        if augment:
+            coords = self._augment(coords)
+        angles = 2 * math.pi * coords[:, :, None] * inv_freq[None, None, :]  # (h*w, 2, D/4)
+        angles = angles.flatten(1, 2).tile(2)  # (h*w, D) = [y | x | y | x]
+        return torch.cos(angles), torch.sin(angles)
+
+    def _augment(self, coords: torch.Tensor) -> torch.Tensor:
+        """Random shift / per-axis jitter / global rescale of the coordinates, in their own dtype."""
+        c = self.config
+        like = dict(device=coords.device, dtype=coords.dtype)
+        if c.rope_shift is not None:
+            coords = coords + torch.empty(1, 2, **like).uniform_(-c.rope_shift, c.rope_shift)
+        if c.rope_jitter is not None:
+            r = math.log(c.rope_jitter)
+            coords = coords * torch.empty(1, 2, **like).uniform_(-r, r).exp()
+        if c.rope_rescale is not None:
+            r = math.log(c.rope_rescale)
+            coords = coords * torch.empty(1, **like).uniform_(-r, r).exp()
+        return coords
+
+
+def patch_centre_coordinates(h: int, w: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(h*w, 2) patch centres as (y, x) in [-1, 1], row-major, computed in `dtype`."""
+    ys = torch.arange(0.5, h, dtype=dtype, device=device) / h  # (h,)
+    xs = torch.arange(0.5, w, dtype=dtype, device=device) / w  # (w,)
+    coords = torch.stack(torch.meshgrid(ys, xs, indexing="ij"), dim=-1).flatten(0, 1)  # (h*w, 2)
+    return 2.0 * coords - 1.0
+
+
+def rope_periods_bf16(head_dim: int, base: float, device=None) -> torch.Tensor:
+    """The original's `rope_embed.periods` buffer: base ** (2k / (D/2)), k < D/4, every op in bf16."""
+    k = torch.arange(head_dim // 4, dtype=torch.bfloat16, device=device)
+    return base ** (2 * k / (head_dim // 2))
+
+
+def rope_tables_bf16(head_dim: int, base: float, h: int, w: int, device=None, augment=None):
+    """The original computation. NOTE: every op rounds to bf16 and the op order matters: computing in
+    fp32 and rounding at the end gives different tables (37-46% of the entries differ)."""
+    periods = rope_periods_bf16(head_dim, base, device)  # (D/4,) bf16
+    coords = patch_centre_coordinates(h, w, torch.bfloat16, device)  # (h*w, 2) bf16
+    if augment is not None:
+        coords = augment(coords)
+    angles = 2 * math.pi * coords[:, :, None] / periods[None, None, :]  # (h*w, 2, D/4) bf16
+    angles = angles.flatten(1, 2).tile(2)  # (h*w, D) bf16
+    return torch.cos(angles), torch.sin(angles)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention, MLP, block
+# ----------------------------------------------------------------------------------------------------
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int, init: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional per-head q/k RMSNorm, and RoPE on the patch tokens."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, qk_norm: bool, eps: float,
+                 layer_scale: float | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = dim // num_heads
+        self.eps = eps
+        self.wq = nn.Linear(dim, dim)
+        self.wk = nn.Linear(dim, num_kv_heads * self.head_dim)
+        self.wv = nn.Linear(dim, num_kv_heads * self.head_dim)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.proj = nn.Linear(dim, dim)
+        self.gamma = LayerScale(dim, layer_scale) if layer_scale is not None else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, N, C = x.shape
+        D = self.head_dim
+        q = self.wq(x).view(B, N, self.num_heads, D).transpose(1, 2)  # (B, Hq, N, D)
+        k = self.wk(x).view(B, N, self.num_kv_heads, D).transpose(1, 2)  # (B, Hkv, N, D)
+        v = self.wv(x).view(B, N, self.num_kv_heads, D).transpose(1, 2)  # (B, Hkv, N, D)
+        if self.q_norm is not None and rope is not None:
+            q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, *rope, eps=self.eps)
+        elif self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif rope is not None:
+            q, k = kernels.rope_reference(q, *rope), kernels.rope_reference(k, *rope)
+        o = kernels.attention(q, k, v)  # (B, Hq, N, D)
+        o = self.proj(o.transpose(1, 2).reshape(B, N, C))  # merge heads head-major: (B, N, Hq*D)
+        return self.gamma(o) if self.gamma is not None else o
+
+
+class SwiGLU(nn.Module):
+    """w3(silu(a) * b) with [a | b] = w12(x): the first half of w12's outputs is the gate (SiLU) branch."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w12 = nn.Linear(dim, 2 * hidden_dim)
+        self.w3 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w12(x).chunk(2, dim=-1)  # (B, N, F) each
+        return self.w3(F.silu(gate) * up)
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop a whole residual branch per sample while training."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.empty(x.shape[0], *([1] * (x.dim() - 1)), device=x.device, dtype=x.dtype).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class Block(nn.Module):
+    """Pre-norm block: LayerScale on the attention branch only (the FFN branch has none)."""
+
+    def __init__(self, config: Sapiens2Config, num_kv_heads: int, drop_path: float = 0.0, main: bool = True):
+        super().__init__()
+        C = config.embed_dim
+        self.ln1 = RMSNorm(C, config.norm_eps)
+        # Tokenizer blocks (main=False) have no q/k-norm and no LayerScale.
+        layer_scale = config.layer_scale_init if main else None
+        self.attn = Attention(C, config.num_heads, num_kv_heads, main, config.norm_eps, layer_scale)
+        self.ln2 = RMSNorm(C, config.norm_eps)
+        self.ffn = SwiGLU(C, config.hidden_dim)
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.ln1(x), rope))
+        return x + self.drop_path(self.ffn(self.ln2(x)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The 4K windowed tokenizer
+# ----------------------------------------------------------------------------------------------------
+
+
+class WindowTokenizer(nn.Module):
+    """Summarizes each ws x ws window of patch tokens into one token (the window's own CLS output).
+
+    Per window: [w_cls, its ws*ws patches (row-major)] + local_pos_embed -> plain transformer blocks
+    (full MHA, no RoPE, no q/k-norm, no LayerScale) -> token 0. Windows come out row-major, so the main
+    blocks see an (H/16/ws) x (W/16/ws) grid.
+    """
+
+    def __init__(self, config: Sapiens2Config):
+        super().__init__()
+        ws, C = config.tokenizer_window, config.embed_dim
+        self.window = ws
+        self.w_cls = nn.Parameter(torch.zeros(1, 1, C))
+        self.local_pos_embed = nn.Parameter(torch.zeros(1, 1 + ws * ws, C))
+        self.blocks = nn.ModuleList(
+            Block(config, config.num_heads, main=False) for _ in range(config.tokenizer_layers)
+        )
+
+    def forward(self, patches: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
+        B, _, C = patches.shape
+        ws = self.window
+        h, w = hp // ws, wp // ws
+        z = patches.view(B, h, ws, w, ws, C).permute(0, 1, 3, 2, 4, 5)  # (B, h, w, ws, ws, C)
+        z = z.reshape(B * h * w, ws * ws, C)  # one row per window, batch-major
+        z = torch.cat([self.w_cls.expand(z.shape[0], -1, -1), z], dim=1) + self.local_pos_embed  # (Bhw, 1+ws², C)
+        for block in self.blocks:
+            z = block(z)
+        return z[:, 0].view(B, h * w, C)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sapiens2Output:
+    """What the backbone returns.
+
+    tokens:   (B, 1+R+h*w, C) every token (CLS, R registers, patches) after the final norm
+    cls:      (B, C) the CLS token after the final norm (what HF calls pooler_output)
+    features: (B, C, h, w) the patch tokens after the final norm, as a map (what the task heads take)
+    layers:   one (B, C, h, w) map per requested block (`layers=` in forward), normalized by the final
+              norm only if `normalize_layers=True` (the original returns them raw; HF's Sapiens2Backbone
+              normalizes by default)
+    """
+
+    tokens: torch.Tensor
+    cls: torch.Tensor
+    features: torch.Tensor
+    layers: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+
+    @property
+    def registers(self) -> torch.Tensor:
+        """(B, R, C) the register tokens after the final norm."""
+        num_patches = self.features.shape[-2] * self.features.shape[-1]
+        return self.tokens[:, 1 : self.tokens.shape[1] - num_patches]
+
+
+class Sapiens2(nn.Module):
+    def __init__(self, config: Sapiens2Config):
+        super().__init__()
+        self.config = config
+        C = config.embed_dim
+        self.patch_embed = PatchEmbed(config)
+        self.tokenizer = WindowTokenizer(config) if config.use_tokenizer else None
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, C))
+        self.storage_tokens = nn.Parameter(torch.zeros(1, config.num_register_tokens, C))  # the registers
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, C)) if config.use_mask_token else None
+        self.rope_embed = RotaryEmbedding2D(config)
+        drop_rates = [config.drop_path_rate * i / max(config.depth - 1, 1) for i in range(config.depth)]
+        self.blocks = nn.ModuleList(
+            Block(config, kv, drop) for kv, drop in zip(config.layer_kv_heads, drop_rates)
+        )
+        self.ln1 = RMSNorm(C, config.norm_eps)  # the final norm (original key: ln1.weight)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02):
+        """Truncated-normal init as the original; for training from scratch (loading overwrites it)."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)) and m.weight.device.type != "meta":
+                nn.init.trunc_normal_(m.weight, std=std)
+                nn.init.zeros_(m.bias)
+        for p in (self.cls_token, self.storage_tokens):
+            if p.device.type != "meta":
+                nn.init.trunc_normal_(p, std=std)
+
+    def check_input(self, pixel_values: torch.Tensor):
+        if pixel_values.dim() != 4:
+            raise ValueError(f"expected pixel_values of shape (B, 3, H, W), got {tuple(pixel_values.shape)}")
+        c, H, W = pixel_values.shape[1:]
+        if c != self.config.in_channels:
+            raise ValueError(f"expected {self.config.in_channels} channels (B, C, H, W), got {c} in {tuple(pixel_values.shape)}")
+        m = self.config.size_multiple
+        if H % m or W % m:
+            what = f"a multiple of {m} (16-pixel patches" + (f" in {m // 16}x{m // 16} windows)" if m > 16 else ")")
+            raise ValueError(
+                f"image size {H}x{W} does not work: height and width must each be {what}, "
+                f"e.g. {max(m, H // m * m)}x{max(m, W // m * m)}"
+            )
+
+    def embed(self, pixel_values: torch.Tensor, mask: torch.Tensor | None = None):
+        """Pixels -> (tokens (B, 1+R+h*w, C), h, w)."""
+        self.check_input(pixel_values)
+        B = pixel_values.shape[0]
+        hp, wp = (s // self.config.patch_size for s in pixel_values.shape[2:])
+        x = self.patch_embed(pixel_values.to(self.patch_embed.projection.weight.dtype))  # (B, hp*wp, C)
+        if mask is not None:
+            if self.mask_token is None:
+                raise ValueError("a mask was given but the model has no mask token (use_mask_token=False)")
+            x = torch.where(mask.view(B, -1, 1), self.mask_token.to(x.dtype), x)
+        h, w = hp, wp
+        if self.tokenizer is not None:
+            x = self.tokenizer(x, hp, wp)  # (B, h*w, C), one token per window
+            h, w = hp // self.config.tokenizer_window, wp // self.config.tokenizer_window
+        prefix = torch.cat([self.cls_token, self.storage_tokens], dim=1).to(x.dtype).expand(B, -1, -1)
+        return torch.cat([prefix, x], dim=1), h, w
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        layers: Sequence[int] = (),
+        normalize_layers: bool = False,
+        mask: torch.Tensor | None = None,
+    ) -> Sapiens2Output:
+        """pixel_values (B, 3, H, W), normalized, H and W multiples of config.size_multiple.
+
+        layers: block indices (0-based, negative counts from the end) whose outputs to return as maps.
+        mask:   (B, h*w) bool, patches to replace by the mask token (masked-image pretraining).
+        """
+        x, h, w = self.embed(pixel_values, mask)
+        rope = self.rope_embed(h, w, x.device, x.dtype)
+        wanted = {i % self.config.depth for i in layers}
+        captured = {}
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope)
+            if i in wanted:
+                captured[i] = self.ln1(x) if normalize_layers else x
+        x = self.ln1(x)
+        prefix = self.config.num_prefix_tokens
+        return Sapiens2Output(
+            tokens=x,
+            cls=x[:, 0],
+            features=tokens_to_map(x[:, prefix:], h, w),
+            layers=tuple(tokens_to_map(captured[i % self.config.depth][:, prefix:], h, w) for i in layers),
+        )
+
+
+def tokens_to_map(patch_tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h*w, C) -> (B, C, h, w)."""
+    B, _, C = patch_tokens.shape
+    return patch_tokens.transpose(1, 2).reshape(B, C, h, w)
