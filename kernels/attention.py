@@ -1,0 +1,39 @@
+"""Non-causal multi-head attention with grouped-query (GQA) key/value heads.
+
+    o[b, h] = softmax(q[b, h] @ k[b, g]^T * scale) @ v[b, g],   g = h // (Hq // Hkv),  scale = D ** -0.5
+
+q (B, Hq, N, D), k and v (B, Hkv, N, D) with Hq % Hkv == 0: key/value head g serves the query heads
+g*r ... g*r + r - 1 (r = Hq / Hkv), the same grouping as torch.repeat_interleave(k, r, dim=1). No mask,
+no dropout. The output has the shape of q; its memory layout may differ (an implementation may return a
+(B, N, Hq, D)-contiguous tensor viewed as (B, Hq, N, D), so that merging the heads for the output
+projection is free).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+    """The definition of attention, through PyTorch SDPA (its math is the formula in the module docstring)."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")
+    if num_kv_heads != num_heads:
+        # Materializing the repeat keeps the reference obvious; the fused kernel never does this.
+        repeats = num_heads // num_kv_heads
+        k = k.repeat_interleave(repeats, dim=1)  # (B, Hq, N, D)
+        v = v.repeat_interleave(repeats, dim=1)  # (B, Hq, N, D)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+# Set by the Triton implementation when it lands (kernels issue); None means "reference only".
+_attention_triton = None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q (B, Hq, N, D), k/v (B, Hkv, N, D) -> o (B, Hq, N, D)."""
+    if use_triton("attention", _attention_triton is not None, q, k, v):
+        return _attention_triton(q, k, v, scale)
+    return attention_reference(q, k, v, scale)

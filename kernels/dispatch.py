@@ -1,0 +1,42 @@
+"""The one dispatch rule shared by every kernel: which implementation runs for given tensors.
+
+    SAPIENS2_KERNELS=auto   (default) Triton for CUDA tensors when triton imports and the op has a Triton
+                            version; the PyTorch reference otherwise.
+    SAPIENS2_KERNELS=torch  always the reference.
+    SAPIENS2_KERNELS=triton always Triton (on CPU tensors only together with TRITON_INTERPRET=1); an error
+                            if the op has no Triton version or triton does not import.
+"""
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+_CHOICES = ("auto", "torch", "triton")
+
+
+def requested_backend() -> str:
+    choice = os.environ.get("SAPIENS2_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"SAPIENS2_KERNELS={choice!r}: expected one of {', '.join(_CHOICES)}")
+    return choice
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(op_name: str, has_triton_version: bool, *tensors: torch.Tensor) -> bool:
+    """True when `op_name` should run its Triton implementation on these tensors."""
+    choice = requested_backend()
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not has_triton_version:
+            raise RuntimeError(f"SAPIENS2_KERNELS=triton, but {op_name} has no Triton implementation yet")
+        if not triton_available():
+            raise RuntimeError(f"SAPIENS2_KERNELS=triton, but triton does not import (needed for {op_name})")
+        return True
+    return has_triton_version and triton_available() and all(t.is_cuda for t in tensors)

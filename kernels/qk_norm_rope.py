@@ -1,0 +1,68 @@
+"""Per-head RMSNorm of q and k followed by 2-D rotary position embedding (RoPE) of the patch tokens.
+
+Math, for each head vector x of length D (q: (B, Hq, N, D), k: (B, Hkv, N, D)):
+
+    x   = x * rsqrt(mean(x**2) + eps) * weight                 # RMSNorm over D, every token
+    x_p = x_p * cos + rotate_half(x_p) * sin                   # the last P tokens only (the patches)
+    rotate_half([x1 | x2]) = [-x2 | x1]                        # halves, not interleaved pairs
+
+The first N - P tokens (CLS + registers) are normalized but not rotated. cos/sin are (P, D) tables laid
+out as [y-freqs | x-freqs | y-freqs | x-freqs] (see sapiens2.RotaryEmbedding2D), so y-frequency j
+rotates the pair of dims (j, j + D/2) and x-frequency j the pair (D/4 + j, 3D/4 + j). Worked example,
+D = 8: dims (0, 4) and (1, 5) turn with the row coordinate, dims (2, 6) and (3, 7) with the column.
+
+Precision. The rotation is computed in `cos.dtype`, and every token of q and k (prefix included) is
+rounded to that dtype on the way in and back to the input dtype on the way out. That one rule gives both
+RoPE conventions of the model:
+  * original Sapiens2 (bf16 tables with an fp32 model): q/k round-trip through bf16 and the rotation
+    rounds in bf16 after each op, exactly as the released weights were trained;
+  * HF transformers (tables cast to the activation dtype): a no-op cast, the rotation in the model dtype.
+The RMSNorm itself always computes in fp32 and rounds once (torch.nn.RMSNorm's behaviour).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and rounded once to x.dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # (..., D/2) each
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the last P = cos.shape[0] tokens of x (..., N, D); see the module docstring for dtypes."""
+    num_patches = cos.shape[0]
+    num_prefix = x.shape[-2] - num_patches
+    if num_prefix < 0:
+        raise ValueError(f"RoPE table has {num_patches} positions but x has only {x.shape[-2]} tokens")
+    # NOTE: the cast covers the prefix tokens too; the original rounds them to bf16 even though it never
+    # rotates them, and parity with its outputs needs the same rounding.
+    xr = x.to(cos.dtype)
+    prefix, patches = xr.split((num_prefix, num_patches), dim=-2)  # (..., N-P, D), (..., P, D)
+    patches = patches * cos + _rotate_half(patches) * sin
+    return torch.cat((prefix, patches), dim=-2).to(x.dtype)
+
+
+def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
+    """The definition of qk_norm_rope: RMSNorm of q and k per head, then RoPE of their patch tokens."""
+    q = rope_reference(rms_norm_reference(q, q_weight, eps), cos, sin)
+    k = rope_reference(rms_norm_reference(k, k_weight, eps), cos, sin)
+    return q, k
+
+
+# Set by the Triton implementation when it lands (kernels issue); None means "reference only".
+_qk_norm_rope_triton = None
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
+    """q (B, Hq, N, D), k (B, Hkv, N, D), weights (D,), cos/sin (P, D) -> normalized and rotated (q, k)."""
+    if use_triton("qk_norm_rope", _qk_norm_rope_triton is not None, q, k):
+        return _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
+    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
