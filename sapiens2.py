@@ -460,7 +460,8 @@ class Sapiens2(nn.Module):
             if isinstance(m, (nn.Linear, nn.Conv2d)) and m.weight.device.type != "meta":
                 nn.init.trunc_normal_(m.weight, std=std)
                 nn.init.zeros_(m.bias)
-        for p in (self.cls_token, self.storage_tokens):
+        extra = (self.tokenizer.w_cls, self.tokenizer.local_pos_embed) if self.tokenizer is not None else ()
+        for p in (self.cls_token, self.storage_tokens, *extra):
             if p.device.type != "meta":
                 nn.init.trunc_normal_(p, std=std)
 

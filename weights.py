@@ -13,8 +13,8 @@ Key formats (detected from the keys):
     HF-native task      model.embeddings.cls_token, model.model.layer.0...   + decode_head.*, scale_head.*
 transformers' save_pretrained() and the Hub's model.safetensors use the original names, with a config.json.
 
-The architecture comes from config.json when there is one (HF schema), else from the file's metadata
-(written by `save`), else it is inferred from tensor shapes. Loading is strict: anything missing,
+The architecture comes from the file's metadata when `save` wrote it, else from config.json (HF schema),
+else it is inferred from tensor shapes. Loading is strict: anything missing,
 unexpected or mis-shaped is reported by key, grouped by prefix; nothing is left randomly initialized.
 """
 
@@ -509,10 +509,11 @@ def load(source, dtype=torch.float32, device="cpu", **overrides) -> torch.nn.Mod
 
 
 def _config_for(backbone, hf_config: dict, meta: dict, overrides: dict) -> Sapiens2Config:
-    if hf_config:
-        config = config_from_hf(hf_config)
-    elif "sapiens2_config" in meta:
+    # Our own metadata (written by `save`) is the exact config; config.json is HF's schema.
+    if "sapiens2_config" in meta:
         config = Sapiens2Config.from_dict(json.loads(meta["sapiens2_config"]))
+    elif hf_config:
+        config = config_from_hf(hf_config)
     else:
         config = config_from_shapes(backbone)
     try:
@@ -546,6 +547,8 @@ def save(model: Sapiens2, path, format: str = "original"):
     config = model.config
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if format == "hf":
+        if config.use_tokenizer:
+            raise ValueError("HF transformers has no 4K tokenizer: save a 4K model with format='original'")
         state = backbone_to_hf(state)
     else:
         state[ROPE_PERIODS_KEY] = rope_periods_bf16(config.head_dim, config.rope_base)

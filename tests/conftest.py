@@ -1,0 +1,33 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHARED = Path(os.environ.get("SAPIENS2_SHARED", ROOT.parent / "shared"))
+FIXTURES = SHARED / "fixtures" / "original"
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        message = f"golden fixtures not found at {FIXTURES} (set SAPIENS2_SHARED)"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # CI always has them: a missing copy is an error, not a skip
+        pytest.skip(message)
+    return FIXTURES
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    yield
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|: the relative error every parity test reports."""
+    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
