@@ -33,10 +33,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sapiens2 import Sapiens2, Sapiens2Config, rope_periods_bf16
+from heads import OUT_CHANNELS, TASK_PRESETS, HeadConfig, Sapiens2ForTask, build_task_model, head_preset
+from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16
 
 # ----------------------------------------------------------------------------------------------------
-# The key mapping: original name <-> HF-native name. `{}` stands for a block index.
+# The key mapping: our names (= the original's) <-> HF-native names.
+# `{j}` is a layer index; `{3j}` an index that counts [conv, norm, act] triples (original Sequentials).
 # ----------------------------------------------------------------------------------------------------
 
 BACKBONE_KEY_MAP = {
@@ -45,36 +47,50 @@ BACKBONE_KEY_MAP = {
     "mask_token": "embeddings.mask_token",
     "patch_embed.projection.weight": "embeddings.patch_embeddings.weight",
     "patch_embed.projection.bias": "embeddings.patch_embeddings.bias",
-    "blocks.{}.ln1.weight": "model.layer.{}.norm1.weight",
-    "blocks.{}.attn.wq.weight": "model.layer.{}.attention.q_proj.weight",
-    "blocks.{}.attn.wq.bias": "model.layer.{}.attention.q_proj.bias",
-    "blocks.{}.attn.wk.weight": "model.layer.{}.attention.k_proj.weight",
-    "blocks.{}.attn.wk.bias": "model.layer.{}.attention.k_proj.bias",
-    "blocks.{}.attn.wv.weight": "model.layer.{}.attention.v_proj.weight",
-    "blocks.{}.attn.wv.bias": "model.layer.{}.attention.v_proj.bias",
-    "blocks.{}.attn.q_norm.weight": "model.layer.{}.attention.q_norm.weight",
-    "blocks.{}.attn.k_norm.weight": "model.layer.{}.attention.k_norm.weight",
-    "blocks.{}.attn.proj.weight": "model.layer.{}.attention.o_proj.weight",
-    "blocks.{}.attn.proj.bias": "model.layer.{}.attention.o_proj.bias",
-    "blocks.{}.attn.gamma.weight": "model.layer.{}.layer_scale1.lambda1",
-    "blocks.{}.ln2.weight": "model.layer.{}.norm2.weight",
-    "blocks.{}.ffn.w3.weight": "model.layer.{}.mlp.down_proj.weight",
-    "blocks.{}.ffn.w3.bias": "model.layer.{}.mlp.down_proj.bias",
+    "blocks.{j}.ln1.weight": "model.layer.{j}.norm1.weight",
+    "blocks.{j}.attn.wq.weight": "model.layer.{j}.attention.q_proj.weight",
+    "blocks.{j}.attn.wq.bias": "model.layer.{j}.attention.q_proj.bias",
+    "blocks.{j}.attn.wk.weight": "model.layer.{j}.attention.k_proj.weight",
+    "blocks.{j}.attn.wk.bias": "model.layer.{j}.attention.k_proj.bias",
+    "blocks.{j}.attn.wv.weight": "model.layer.{j}.attention.v_proj.weight",
+    "blocks.{j}.attn.wv.bias": "model.layer.{j}.attention.v_proj.bias",
+    "blocks.{j}.attn.q_norm.weight": "model.layer.{j}.attention.q_norm.weight",
+    "blocks.{j}.attn.k_norm.weight": "model.layer.{j}.attention.k_norm.weight",
+    "blocks.{j}.attn.proj.weight": "model.layer.{j}.attention.o_proj.weight",
+    "blocks.{j}.attn.proj.bias": "model.layer.{j}.attention.o_proj.bias",
+    "blocks.{j}.attn.gamma.weight": "model.layer.{j}.layer_scale1.lambda1",
+    "blocks.{j}.ln2.weight": "model.layer.{j}.norm2.weight",
+    "blocks.{j}.ffn.w3.weight": "model.layer.{j}.mlp.down_proj.weight",
+    "blocks.{j}.ffn.w3.bias": "model.layer.{j}.mlp.down_proj.bias",
     "ln1.weight": "norm.weight",
 }
 # The one named transform: the original's fused SwiGLU input projection is [gate; up] along dim 0 (the
 # first half feeds the SiLU); HF keeps the halves as two Linear layers.
-FUSED_W12 = ("blocks.{}.ffn.w12.{}", ("model.layer.{}.mlp.gate_proj.{}", "model.layer.{}.mlp.up_proj.{}"))
+W12 = re.compile(r"^blocks\.(\d+)\.ffn\.w12\.(weight|bias)$")
+GATE_UP = re.compile(r"^model\.layer\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)$")
 
-# Decode-head names that identify the task of an original-format checkpoint.
-TASK_PREDICTORS = {
-    "conv_pose": "pose",
-    "conv_seg": "seg",
-    "conv_normal": "normal",
-    "conv_pointmap": "pointmap",
-    "conv_albedo": "albedo",
-    "conv_matting": "matting",
+_CONV = {"{3j}.weight": "{j}.convolution.weight", "{3j}.bias": "{j}.convolution.bias"}
+TRANSPOSED_HEAD_KEY_MAP = {  # pose, seg
+    "decode_head.deconv_layers.{3j}.weight": "decode_head.upsample_layers.{j}.convolution.weight",
+    **{f"decode_head.conv_layers.{o}": f"decode_head.conv_layers.{h}" for o, h in _CONV.items()},
+    "decode_head.predictor.weight": "decode_head.predictor.weight",
+    "decode_head.predictor.bias": "decode_head.predictor.bias",
 }
+PIXEL_SHUFFLE_HEAD_KEY_MAP = {  # normal, pointmap, matting (albedo's RMSNorm weights have no HF name)
+    "decode_head.input_conv.0.weight": "decode_head.input_conv.convolution.weight",
+    "decode_head.input_conv.0.bias": "decode_head.input_conv.convolution.bias",
+    "decode_head.upsample_blocks.{j}.0.weight": "decode_head.upsample_layers.{j}.convolution.weight",
+    "decode_head.upsample_blocks.{j}.0.bias": "decode_head.upsample_layers.{j}.convolution.bias",
+    **{f"decode_head.conv_layers.{o}": f"decode_head.conv_layers.{h}" for o, h in _CONV.items()},
+    "decode_head.predictor.weight": "decode_head.predictor.weight",
+    "decode_head.predictor.bias": "decode_head.predictor.bias",
+    **{f"decode_head.scale_conv_layers.{o}": f"scale_head.conv_layers.{h}" for o, h in _CONV.items()},
+    **{f"decode_head.scale_final_layer.{i}.{p}": f"scale_head.predictor.{hf}.{p}"
+       for i, hf in ((1, "block1.layers.0"), (3, "block2.layers.0"), (5, "proj")) for p in ("weight", "bias")},
+}
+
+# Original task files name the 1x1 predictor after the task; ours is `predictor`.
+ORIGINAL_PREDICTOR = re.compile(r"^decode_head\.conv_(pose|seg|normal|pointmap|albedo|matting)\.")
 HF_TASK_CLASSES = {
     "Sapiens2ForPoseEstimation": "pose",
     "Sapiens2ForSemanticSegmentation": "seg",
@@ -85,55 +101,105 @@ HF_TASK_CLASSES = {
 ROPE_PERIODS_KEY = "rope_embed.periods"  # a buffer of the original (bf16), recomputed here, never loaded
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
+class KeyTemplate:
+    """A key with index placeholders: `{j}` (a layer) or `{3j}` (three module slots per layer)."""
+
+    def __init__(self, template: str):
+        self.template = template
+        self.steps = [int(m[1] or 1) for m in re.finditer(r"\{(\d*)j\}", template)]
+        self.regex = re.compile("^" + re.sub(r"\\\{\d*j\\\}", r"(\\d+)", re.escape(template)) + "$")
+
+    def match(self, key: str) -> list[int] | None:
+        m = self.regex.match(key)
+        if not m:
+            return None
+        numbers = [int(g) for g in m.groups()]
+        if any(n % step for n, step in zip(numbers, self.steps)):
+            return None  # e.g. conv_layers.1.* is a norm slot, not a conv
+        return [n // step for n, step in zip(numbers, self.steps)]
+
+    def format(self, layers: list[int]) -> str:
+        parts = iter(layer * step for layer, step in zip(layers, self.steps))
+        return re.sub(r"\{\d*j\}", lambda _: str(next(parts)), self.template)
 
 
-_TO_HF = [(_pattern(o), h) for o, h in BACKBONE_KEY_MAP.items()]
-_FROM_HF = [(_pattern(h), o) for o, h in BACKBONE_KEY_MAP.items()]
+def _compile(mapping: dict[str, str], reverse: bool = False):
+    pairs = [(h, o) if reverse else (o, h) for o, h in mapping.items()]
+    return [(KeyTemplate(src), KeyTemplate(dst)) for src, dst in pairs]
+
+
+_BACKBONE_TO_HF, _BACKBONE_FROM_HF = _compile(BACKBONE_KEY_MAP), _compile(BACKBONE_KEY_MAP, reverse=True)
+_HEAD_TO_HF = {True: _compile(TRANSPOSED_HEAD_KEY_MAP), False: _compile(PIXEL_SHUFFLE_HEAD_KEY_MAP)}
+_HEAD_FROM_HF = {True: _compile(TRANSPOSED_HEAD_KEY_MAP, True), False: _compile(PIXEL_SHUFFLE_HEAD_KEY_MAP, True)}
 
 
 def _rename(key: str, table) -> str | None:
-    for pattern, template in table:
-        m = pattern.match(key)
-        if m:
-            return template.format(*m.groups())
+    for src, dst in table:
+        layers = src.match(key)
+        if layers is not None:
+            return dst.format(layers)
     return None
 
 
 def backbone_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Original backbone names -> HF-native names (w12 split into gate/up)."""
+    """Our (original) backbone names -> HF-native names (w12 split into gate/up)."""
     out = {}
     for key, tensor in state.items():
-        m = re.match(r"^blocks\.(\d+)\.ffn\.w12\.(weight|bias)$", key)
+        m = W12.match(key)
         if m:
-            gate, up = tensor.chunk(2, dim=0)
-            out[FUSED_W12[1][0].format(*m.groups())] = gate
-            out[FUSED_W12[1][1].format(*m.groups())] = up
+            out[f"model.layer.{m[1]}.mlp.gate_proj.{m[2]}"], out[f"model.layer.{m[1]}.mlp.up_proj.{m[2]}"] = (
+                tensor.chunk(2, dim=0)
+            )
             continue
-        new = _rename(key, _TO_HF)
+        new = _rename(key, _BACKBONE_TO_HF)
         if new is None:
-            raise KeyError(f"no HF name for backbone key {key!r}")
+            raise ValueError(f"HF transformers has no name for {key!r}")
         out[new] = tensor
     return out
 
 
 def backbone_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-native backbone names -> original names (gate/up merged into w12). Unknown keys pass through
-    unchanged, so the strict load reports them as unexpected."""
+    """HF-native backbone names -> ours (gate/up merged into w12). Unknown keys pass through unchanged,
+    so the strict load reports them as unexpected."""
     out, halves = {}, {}
     for key, tensor in state.items():
-        m = re.match(r"^model\.layer\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)$", key)
+        m = GATE_UP.match(key)
         if m:
             halves.setdefault((m[1], m[3]), {})[m[2]] = tensor
             continue
-        out[_rename(key, _FROM_HF) or key] = tensor
+        out[_rename(key, _BACKBONE_FROM_HF) or key] = tensor
     for (layer, kind), pair in halves.items():
         if set(pair) != {"gate", "up"}:
-            present = next(iter(pair))
-            raise KeyError(f"model.layer.{layer}.mlp: found {present}_proj.{kind} without its other half")
+            raise KeyError(f"model.layer.{layer}.mlp: found {next(iter(pair))}_proj.{kind} without its other half")
         out[f"blocks.{layer}.ffn.w12.{kind}"] = torch.cat([pair["gate"], pair["up"]], dim=0)
     return out
+
+
+def head_to_hf(state: dict[str, torch.Tensor], transposed: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, tensor in state.items():
+        new = _rename(key, _HEAD_TO_HF[transposed])
+        if new is None:
+            raise ValueError(f"HF transformers has no name for {key!r}")
+        out[new] = tensor
+    return out
+
+
+def head_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    transposed = "decode_head.input_conv.convolution.weight" not in state
+    return {_rename(k, _HEAD_FROM_HF[transposed]) or k: v for k, v in state.items()}
+
+
+def head_from_original(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Rename decode_head.conv_<task>.* to decode_head.predictor.*; also return <task>."""
+    out, task = {}, None
+    for key, tensor in state.items():
+        m = ORIGINAL_PREDICTOR.match(key)
+        if m:
+            task = m[1]
+            key = "decode_head.predictor." + key[m.end():]
+        out[key] = tensor
+    return out, task
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,8 +251,9 @@ def read_checkpoint_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict,
 # ----------------------------------------------------------------------------------------------------
 
 
-def split_checkpoint(tensors: dict[str, torch.Tensor]) -> tuple[str, dict, dict]:
-    """(format, backbone tensors in original names, head tensors) of a raw state dict."""
+def split_checkpoint(tensors: dict[str, torch.Tensor]) -> tuple[str, dict, dict, str | None]:
+    """(format, backbone tensors, head tensors, task named by the keys) of a raw state dict, with the
+    backbone under our names (no prefix) and the head under ours (`decode_head.*`)."""
     if "model.embeddings.cls_token" in tensors:
         fmt, prefix = "hf-task", "model."
     elif "embeddings.cls_token" in tensors:
@@ -206,9 +273,12 @@ def split_checkpoint(tensors: dict[str, torch.Tensor]) -> tuple[str, dict, dict]
             backbone[key[len(prefix) :]] = tensor
         else:
             backbone[key] = tensor  # reported as unexpected by the strict load
+    task = None
     if fmt.startswith("hf"):
-        backbone = backbone_from_hf(backbone)
-    return fmt, backbone, head
+        backbone, head = backbone_from_hf(backbone), head_from_hf(head)
+    else:
+        head, task = head_from_original(head)
+    return fmt, backbone, head, task
 
 
 def config_from_shapes(state: dict[str, torch.Tensor]) -> Sapiens2Config:
@@ -294,6 +364,84 @@ def config_to_hf(config: Sapiens2Config, architecture: str = "Sapiens2Model") ->
     hf.update(use_gated_mlp=True, use_qk_norm=True, hidden_act="silu", layerscale_value=config.layer_scale_init)
     hf.update({k: d[k] for k in EXTRA_CONFIG_FIELDS})
     return hf
+
+
+HF_TASK_CLASS_OF = {task: cls for cls, task in HF_TASK_CLASSES.items()}
+
+
+def head_config_to_hf(head: HeadConfig) -> dict:
+    """The HF config.json fields of a head (architectures, num_labels, head_config)."""
+    if head.task not in HF_TASK_CLASS_OF:
+        raise ValueError(f"HF transformers has no {head.task} model")
+    if head.task == "pointmap" and len(head.scale_hidden) != 2:
+        raise ValueError("HF's pointmap scale MLP has exactly two hidden layers")
+    hf_head = {
+        "use_pixel_shuffle": not head.transposed,
+        "upsample_out_channels": list(head.upsample_channels),
+        "upsample_kernel_sizes": list(head.upsample_kernel_sizes),
+        "conv_out_channels": list(head.conv_channels),
+        "conv_kernel_sizes": list(head.conv_kernel_sizes),
+    }
+    if head.task == "pointmap":
+        hf_head.update(scale_conv_out_channels=list(head.scale_conv_channels),
+                       scale_conv_kernel_sizes=[1] * len(head.scale_conv_channels),
+                       scale_final_hidden_sizes=list(head.scale_hidden))
+    return {"architectures": [HF_TASK_CLASS_OF[head.task]], "num_labels": head.out_channels, "head_config": hf_head}
+
+
+def head_config_from_hf(hf: dict) -> HeadConfig | None:
+    if "sapiens2_head_config" in hf:  # a head HF cannot express (albedo), saved by `save`
+        return HeadConfig.from_dict(hf["sapiens2_head_config"])
+    task = next((HF_TASK_CLASSES[a] for a in hf.get("architectures", []) if a in HF_TASK_CLASSES), None)
+    head = hf.get("head_config")
+    if task is None or not head:
+        return None
+    return HeadConfig(
+        task,
+        head.get("upsample_out_channels") or (),
+        head.get("conv_out_channels") or (),
+        hf.get("num_labels", OUT_CHANNELS[task]),
+        upsample_kernel_sizes=head.get("upsample_kernel_sizes"),
+        conv_kernel_sizes=head.get("conv_kernel_sizes"),
+        scale_conv_channels=head.get("scale_conv_out_channels") or (),
+        scale_hidden=head.get("scale_final_hidden_sizes") or (),
+    )
+
+
+def _indexed(state: dict, template: str) -> list[torch.Tensor]:
+    """The tensors of `template` (with `{3j}`/`{j}`) for j = 0, 1, ... in order."""
+    t = KeyTemplate(template)
+    found = {}
+    for key, tensor in state.items():
+        layers = t.match(key)
+        if layers is not None:
+            found[layers[0]] = tensor
+    return [found[j] for j in sorted(found)]
+
+
+def head_config_from_shapes(state: dict[str, torch.Tensor], task: str | None) -> HeadConfig:
+    """Infer a head from our-named `decode_head.*` tensors (task from the key names when known)."""
+    if "decode_head.predictor.weight" not in state:
+        raise ValueError("cannot infer the head: no decode_head predictor weight")
+    out_channels = state["decode_head.predictor.weight"].shape[0]
+    convs = _indexed(state, "decode_head.conv_layers.{3j}.weight")
+    conv = dict(conv_channels=[w.shape[0] for w in convs], conv_kernel_sizes=[w.shape[-1] for w in convs])
+    deconvs = _indexed(state, "decode_head.deconv_layers.{3j}.weight")
+    if deconvs:  # ConvTranspose2d weights are (in, out, k, k)
+        task = task or ("pose" if out_channels == OUT_CHANNELS["pose"] else "seg")
+        return HeadConfig(task, [w.shape[1] for w in deconvs], out_channels=out_channels,
+                          upsample_kernel_sizes=[w.shape[-1] for w in deconvs], **conv)
+    ups = _indexed(state, "decode_head.upsample_blocks.{j}.0.weight")  # (4 * out, in, k, k)
+    scale_convs = _indexed(state, "decode_head.scale_conv_layers.{3j}.weight")
+    linears = _indexed(state, "decode_head.scale_final_layer.{j}.weight")
+    if task is None:
+        has_norm_weights = any(k.endswith(".norm.weight") for k in state)
+        task = ("pointmap" if scale_convs else "albedo" if has_norm_weights
+                else "matting" if out_channels == OUT_CHANNELS["matting"] else "normal")
+    return HeadConfig(task, [w.shape[0] // 4 for w in ups], out_channels=out_channels,
+                      upsample_kernel_sizes=[w.shape[-1] for w in ups],
+                      scale_conv_channels=[w.shape[0] for w in scale_convs],
+                      scale_hidden=[w.shape[0] for w in linears[:-1]], **conv)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -485,80 +633,138 @@ def parse_dtype(dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load(source, dtype=torch.float32, device="cpu", **overrides) -> torch.nn.Module:
-    """A model in eval mode from a .safetensors file, a checkpoint directory or a hub id.
+def load(source, dtype=torch.float32, device="cpu", task: str | None = None, preset: str | None = None,
+         **overrides) -> torch.nn.Module:
+    """A model in eval mode from a .safetensors file, a checkpoint directory or a hub id: the backbone
+    (Sapiens2) for a pretrain checkpoint, the task model (heads.Sapiens2For*) when it has a decode head.
 
+    task:      require this task ("pose", "seg", ...); a checkpoint of another task is an error.
+    preset:    build this architecture ("0.4b", "seg-0.4b", ...) instead of reading/inferring it; the
+               checkpoint must match it exactly.
     overrides: Sapiens2Config fields that do not change the weights' shapes, e.g. rope_dtype="float32".
     Floating tensors of any dtype in the file are cast to `dtype`.
     """
     tensors, hf_config, meta, name = resolve(source)
-    fmt, backbone, head = split_checkpoint(tensors)
-    config = _config_for(backbone, hf_config, meta, overrides)
-    if head:
-        task = _task_of(head, hf_config)
-        raise NotImplementedError(
-            f"{name} is a {task} checkpoint (it has a decode head); task models are not implemented yet"
-        )
-    _check_rope_periods(backbone.pop(ROPE_PERIODS_KEY, None), config, name)
+    fmt, backbone, head, named_task = split_checkpoint(tensors)
+    config, head_config = _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides)
+    found = head_config.task if head_config else "pretrain (no decode head)"
+    if task is not None and (head_config is None or head_config.task != task):
+        raise ValueError(f"{name} is a {found} checkpoint, but a {task} model was requested")
+    periods = backbone.pop(ROPE_PERIODS_KEY, None)
     dtype = parse_dtype(dtype)
     with torch.device("meta"):
-        model = Sapiens2(config)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in backbone.items()}
-    load_strict(model, state, f"{name} ({fmt} format)")
+        model = Sapiens2(config) if head_config is None else build_task_model(config, head_config)
+    state = backbone if head_config is None else {**{f"backbone.{k}": v for k, v in backbone.items()}, **head}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    load_strict(model, state, f"{name} ({fmt} format, {found})")
+    _check_rope_periods(periods, config, name)
     return model.to(device).eval()
 
 
-def _config_for(backbone, hf_config: dict, meta: dict, overrides: dict) -> Sapiens2Config:
-    # Our own metadata (written by `save`) is the exact config; config.json is HF's schema.
-    if "sapiens2_config" in meta:
+def _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides):
+    """(backbone config, head config or None): a preset if given, else our metadata, else config.json,
+    else inferred from the shapes."""
+    head_config = None
+    if preset is not None:
+        size, head_config = _preset(preset)
+        config = Sapiens2Config.from_preset(size)
+        found = named_task or _hf_task(hf_config) or ("task" if head else "pretrain (no decode head)")
+        wanted = head_config.task if head_config else "pretrain"
+        if bool(head) != (head_config is not None) or (head and found not in ("task", wanted)):
+            raise ValueError(f"the checkpoint is a {found} checkpoint, but preset {preset} is a {wanted} model")
+    elif "sapiens2_config" in meta:  # written by `save`: exact
         config = Sapiens2Config.from_dict(json.loads(meta["sapiens2_config"]))
+        if "sapiens2_head_config" in meta:
+            head_config = HeadConfig.from_dict(json.loads(meta["sapiens2_head_config"]))
     elif hf_config:
-        config = config_from_hf(hf_config)
+        config, head_config = config_from_hf(hf_config), head_config_from_hf(hf_config)
     else:
         config = config_from_shapes(backbone)
+    if head and head_config is None and preset is None:
+        head_config = head_config_from_shapes(head, named_task or _hf_task(hf_config))
     try:
-        return Sapiens2Config.from_dict({**config.to_dict(), **overrides})
+        config = Sapiens2Config.from_dict({**config.to_dict(), **overrides})
     except TypeError as e:
         raise ValueError(f"bad override: {e}") from e
+    if head_config is not None and head_config.task == "pointmap" and head:
+        _check_scale_input(head, head_config, config)
+    return config, head_config
 
 
-def _task_of(head: dict, hf_config: dict) -> str:
-    for arch in hf_config.get("architectures", []):
-        if arch in HF_TASK_CLASSES:
-            return HF_TASK_CLASSES[arch]
-    for key in head:
-        for predictor, task in TASK_PREDICTORS.items():
-            if key.startswith(f"decode_head.{predictor}."):
-                return task
-    return "unknown-task"
+def _check_scale_input(head, head_config: HeadConfig, config: Sapiens2Config):
+    """The scale MLP's input width fixes the image size; say so instead of a bare shape mismatch."""
+    first = head.get("decode_head.scale_final_layer.1.weight")
+    if first is None:
+        return
+    h, w = (s // config.size_multiple for s in config.image_size)
+    for _ in head_config.scale_conv_channels:
+        h, w = (h - 1) // 2 + 1, (w - 1) // 2 + 1
+    expected = head_config.scale_conv_channels[-1] * h * w
+    if first.shape[1] != expected:
+        raise ValueError(
+            f"the pointmap scale MLP takes {first.shape[1]} inputs, but image_size {config.image_size} gives "
+            f"{head_config.scale_conv_channels[-1]} x {h} x {w} = {expected}: pass the image size the head "
+            f"was trained at, e.g. load(..., image_size=(H, W))"
+        )
 
 
-def save(model: Sapiens2, path, format: str = "original"):
-    """Write `model` as safetensors.
+def _hf_task(hf_config: dict) -> str | None:
+    return next((HF_TASK_CLASSES[a] for a in hf_config.get("architectures", []) if a in HF_TASK_CLASSES), None)
+
+
+def _preset(name: str) -> tuple[str, HeadConfig | None]:
+    if name in PRESETS:
+        return name, None
+    if name in TASK_PRESETS:
+        task, size = name.split("-", 1)
+        return size, head_preset(task, size)
+    raise ValueError(f"unknown preset {name!r}; backbones: {', '.join(PRESETS)}; tasks: {', '.join(TASK_PRESETS)}")
+
+
+def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
+    """Write `model` (a backbone or a task model) as safetensors.
 
     format="original": the original key names (+ the bf16 rope periods buffer), what the Hub files use;
-    format="hf":       HF-native names (embeddings.*, model.layer.N.*), what save_pretrained(...,
-                       save_original_format=False) writes.
-    A path ending in .safetensors gets one file (config in its metadata); any other path becomes a
+    format="hf":       HF-native names (embeddings.*, model.layer.N.*, decode_head.*, scale_head.*), what
+                       save_pretrained(..., save_original_format=False) writes.
+    A path ending in .safetensors gets one file (configs in its metadata); any other path becomes a
     directory with config.json (HF schema, loadable by transformers) and model.safetensors.
     """
     if format not in ("original", "hf"):
         raise ValueError(f"format must be 'original' or 'hf', got {format!r}")
-    config = model.config
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    is_task = isinstance(model, Sapiens2ForTask)
+    backbone = model.backbone if is_task else model
+    config = backbone.config
+    state = {k: v.detach().contiguous().cpu() for k, v in backbone.state_dict().items()}
+    head = {k: v.detach().contiguous().cpu() for k, v in model.decode_head.state_dict(prefix="decode_head.").items()} if is_task else {}
     if format == "hf":
         if config.use_tokenizer:
             raise ValueError("HF transformers has no 4K tokenizer: save a 4K model with format='original'")
+        if is_task:
+            head_config_to_hf(model.head_config)  # raises if HF cannot represent this head
         state = backbone_to_hf(state)
+        head = head_to_hf(head, model.head_config.transposed) if is_task else {}
+        state = {(f"model.{k}" if is_task else k): v for k, v in state.items()}
     else:
         state[ROPE_PERIODS_KEY] = rope_periods_bf16(config.head_dim, config.rope_base)
+        if is_task:
+            state = {f"backbone.{k}": v for k, v in state.items()}
+            predictor = f"decode_head.conv_{model.head_config.task}."
+            head = {k.replace("decode_head.predictor.", predictor): v for k, v in head.items()}
     metadata = {"format": "pt", "sapiens2_config": json.dumps(config.to_dict()), "sapiens2_format": format}
+    hf_config = config_to_hf(config)
+    if is_task:
+        metadata["sapiens2_head_config"] = json.dumps(model.head_config.to_dict())
+        if model.head_config.task in HF_TASK_CLASS_OF:
+            hf_config.update(head_config_to_hf(model.head_config))
+        else:
+            hf_config.update(architectures=[type(model).__name__], sapiens2_head_config=model.head_config.to_dict())
     path = Path(path)
     if path.suffix == ".safetensors":
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(path), metadata=metadata)
+        save_file({**state, **head}, str(path), metadata=metadata)
     else:
         path.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(path / "model.safetensors"), metadata=metadata)
-        (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
+        save_file({**state, **head}, str(path / "model.safetensors"), metadata=metadata)
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     return path

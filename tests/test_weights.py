@@ -169,9 +169,17 @@ def test_loads_original_fixture_files(fixtures_dir, name):
         assert rel_err(model(io["pixel_values"]).tokens, io["tokens"]) < HF_TOL
 
 
-def test_task_checkpoint_names_its_task(fixtures_dir):
-    with pytest.raises(NotImplementedError, match="is a pose checkpoint"):
-        weights.load(fixtures_dir / "public_pose.safetensors")
+def test_wrong_task_or_preset_is_named(fixtures_dir):
+    with pytest.raises(ValueError, match="is a pose checkpoint, but a seg model was requested"):
+        weights.load(fixtures_dir / "public_pose.safetensors", task="seg")
+    with pytest.raises(ValueError, match="is a pretrain .* checkpoint, but a seg model was requested"):
+        weights.load(fixtures_dir / "tiny.safetensors", task="seg")
+    with pytest.raises(ValueError, match="is a pose checkpoint, but preset seg-0.4b is a seg model"):
+        weights.load(fixtures_dir / "public_pose.safetensors", preset="seg-0.4b")
+    with pytest.raises(ValueError, match="is a pose checkpoint, but preset 0.4b is a pretrain model"):
+        weights.load(fixtures_dir / "public_pose.safetensors", preset="0.4b")
+    with pytest.raises(weights.CheckpointMismatch, match=r"mis-shaped"):
+        weights.load(fixtures_dir / "tiny.safetensors", preset="0.1b")
 
 
 def test_sharded_checkpoint(tmp_path):

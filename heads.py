@@ -1,0 +1,642 @@
+"""Task heads and task models: pose, body-part segmentation, normals, pointmap (+ scale), albedo, matting.
+
+Every head takes the backbone's final feature map (B, C, H/16, W/16) and is one of two shapes:
+
+  transposed-conv head (pose, seg)
+      [ConvTranspose2d k4 s2 p1 (no bias) -> InstanceNorm2d -> SiLU] x n     each doubles H and W
+      [Conv2d k1 -> InstanceNorm2d -> SiLU] x m
+      Conv2d 1x1 predictor
+  pixel-shuffle head (normal, pointmap, albedo, matting)
+      Conv2d 3x3 -> norm -> SiLU                                              the input conv
+      [Conv2d 3x3 (4c out) -> PixelShuffle(2) -> norm -> SiLU] x n            each doubles H and W
+      [Conv2d 3x3 -> norm -> SiLU] x m
+      Conv2d 1x1 predictor
+  (norm = InstanceNorm2d without parameters; albedo uses a channel RMSNorm with a weight instead)
+
+The pointmap head adds a scale branch on the backbone features: stride-2 1x1 convs, flatten, an MLP to
+one scale per image (= canonical focal 768 / the image's focal, in network-input pixels).
+
+Module names follow the original checkpoints (`deconv_layers.{3j}`, `upsample_blocks.{j}.0`, ...); the
+1x1 predictor is `predictor` here (`conv_pose`, `conv_seg`, ... in the original files; weights.py maps).
+Losses are plain functions at the end of this file, following the original training code
+(spec: shared/spec/losses.md); the task models call them when labels are passed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sapiens2 import Sapiens2, Sapiens2Config
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+TASKS = ("pose", "seg", "normal", "pointmap", "albedo", "matting")
+TRANSPOSED_CONV_TASKS = ("pose", "seg")
+CANONICAL_FOCAL = 768.0  # pointmaps are predicted for a camera with this focal length (network pixels)
+
+
+@lru_cache(maxsize=None)
+def keypoints308() -> dict:
+    """Names, flip indices, skeleton and colours of the 308 keypoints (data/keypoints308.json)."""
+    return json.loads((DATA_DIR / "keypoints308.json").read_text())
+
+
+@lru_cache(maxsize=None)
+def seg29() -> dict:
+    """Names, palette and training class weights of the 29 body-part classes (data/seg29.json)."""
+    return json.loads((DATA_DIR / "seg29.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Head config and presets
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadConfig:
+    task: str
+    upsample_channels: tuple[int, ...]
+    conv_channels: tuple[int, ...]
+    out_channels: int
+    # Kernel sizes per layer; None = the released heads' (4 for transposed convs, 3 for pixel-shuffle
+    # convs; 1 for refinement convs of transposed-conv heads, 3 for pixel-shuffle heads).
+    upsample_kernel_sizes: tuple[int, ...] | None = None
+    conv_kernel_sizes: tuple[int, ...] | None = None
+    # Pointmap scale branch: stride-2 1x1 conv widths and MLP hidden widths (output: 1 per image).
+    scale_conv_channels: tuple[int, ...] = ()
+    scale_hidden: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        self.upsample_channels = tuple(self.upsample_channels)
+        self.conv_channels = tuple(self.conv_channels)
+        self.scale_conv_channels = tuple(self.scale_conv_channels)
+        self.scale_hidden = tuple(self.scale_hidden)
+        transposed = self.task in TRANSPOSED_CONV_TASKS
+        if self.upsample_kernel_sizes is None:
+            self.upsample_kernel_sizes = (4 if transposed else 3,) * len(self.upsample_channels)
+        if self.conv_kernel_sizes is None:
+            self.conv_kernel_sizes = (1 if transposed else 3,) * len(self.conv_channels)
+        self.upsample_kernel_sizes = tuple(self.upsample_kernel_sizes)
+        self.conv_kernel_sizes = tuple(self.conv_kernel_sizes)
+        if len(self.upsample_kernel_sizes) != len(self.upsample_channels):
+            raise ValueError("upsample_kernel_sizes needs one entry per upsample layer")
+        if len(self.conv_kernel_sizes) != len(self.conv_channels):
+            raise ValueError("conv_kernel_sizes needs one entry per conv layer")
+        if bool(self.scale_conv_channels) != (self.task == "pointmap"):
+            raise ValueError("the scale branch (scale_conv_channels) belongs to pointmap heads only")
+
+    @property
+    def transposed(self) -> bool:
+        return self.task in TRANSPOSED_CONV_TASKS
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadConfig":
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown HeadConfig fields: {unknown}")
+        return cls(**d)
+
+
+OUT_CHANNELS = {"pose": 308, "seg": 29, "normal": 3, "pointmap": 3, "albedo": 3, "matting": 4}
+
+# Per size: (upsample channels, conv channels) of each released head (spec: checkpoints.md b).
+_STANDARD = ((768, 512, 256, 128), (64, 32, 16))
+HEAD_TABLE = {
+    "pose": {"0.4b": ((1024, 768), (512, 512, 256)), "0.8b": ((1024, 768), (512, 512, 256)),
+             "1b": ((1536, 1024), (768, 512, 256)), "5b": ((1024, 768), (512, 512, 256))},
+    "seg": {s: ((512, 256, 128, 64), (64, 64)) for s in ("0.4b", "0.8b", "1b", "5b")},
+    "normal": {"0.4b": _STANDARD, "0.8b": _STANDARD, "1b": _STANDARD,
+               "5b": ((1536, 768, 512, 256), (128, 64, 32))},
+    "pointmap": {"0.4b": ((1536, 768, 512, 256), (64, 32, 16)), "0.8b": ((1536, 768, 512, 256), (64, 32, 16)),
+                 "1b": ((1536, 768, 512, 256), (64, 32, 16)), "5b": ((1536, 768, 768, 768), (128, 64, 32))},
+    "albedo": {"0.4b": _STANDARD, "0.8b": _STANDARD, "1b": _STANDARD,
+               "5b": ((1536, 768, 512, 256), (64, 32, 16))},
+    # NOTE: the matting head's widths are not published with the original code; the 1b normal head's
+    # are assumed. A real matting file whose widths differ still loads: its head is inferred from shapes.
+    "matting": {"1b": _STANDARD},
+}
+POINTMAP_SCALE = dict(scale_conv_channels=(1536, 512, 128), scale_hidden=(512, 128))
+
+
+def head_preset(task: str, size: str) -> HeadConfig:
+    if task not in HEAD_TABLE or size not in HEAD_TABLE[task]:
+        known = ", ".join(f"{t}-{s}" for t in HEAD_TABLE for s in HEAD_TABLE[t])
+        raise ValueError(f"no preset {task}-{size}; known: {known}")
+    upsample, conv = HEAD_TABLE[task][size]
+    extra = POINTMAP_SCALE if task == "pointmap" else {}
+    return HeadConfig(task, upsample, conv, OUT_CHANNELS[task], **extra)
+
+
+TASK_PRESETS = [f"{t}-{s}" for t in HEAD_TABLE for s in HEAD_TABLE[t]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Head building blocks
+# ----------------------------------------------------------------------------------------------------
+
+
+class ChannelRMSNorm(nn.Module):
+    """RMSNorm over the channels of each pixel, with a weight (the albedo head's norm)."""
+
+    def __init__(self, channels: int, eps: float = 1e-6):
+        super().__init__()
+        self.norm = nn.RMSNorm(channels, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.movedim(1, -1)).movedim(-1, 1)  # (B, C, H, W) -> (B, H, W, C) and back
+
+
+def make_norm(task: str, channels: int) -> nn.Module:
+    return ChannelRMSNorm(channels) if task == "albedo" else nn.InstanceNorm2d(channels)
+
+
+def transposed_conv(c_in: int, c_out: int, k: int) -> nn.ConvTranspose2d:
+    """A stride-2 transposed conv that exactly doubles H and W for k in 2, 3, 4 (the original's rule)."""
+    padding, output_padding = {4: (1, 0), 3: (1, 1), 2: (0, 0)}[k]
+    return nn.ConvTranspose2d(c_in, c_out, k, stride=2, padding=padding, output_padding=output_padding, bias=False)
+
+
+def conv_norm_act(task: str, c_in: int, c_out: int, k: int, stride: int = 1) -> list[nn.Module]:
+    return [nn.Conv2d(c_in, c_out, k, stride=stride, padding=(k - 1) // 2), make_norm(task, c_out), nn.SiLU()]
+
+
+class TransposedConvHead(nn.Module):
+    """Pose and segmentation: each transposed conv doubles the resolution."""
+
+    def __init__(self, config: HeadConfig, in_channels: int):
+        super().__init__()
+        layers, c = [], in_channels
+        for c_out, k in zip(config.upsample_channels, config.upsample_kernel_sizes):
+            layers += [transposed_conv(c, c_out, k), nn.InstanceNorm2d(c_out), nn.SiLU()]
+            c = c_out
+        self.deconv_layers = nn.Sequential(*layers)  # original keys: deconv_layers.{3j}.weight
+        layers = []
+        for c_out, k in zip(config.conv_channels, config.conv_kernel_sizes):
+            layers += conv_norm_act(config.task, c, c_out, k)
+            c = c_out
+        self.conv_layers = nn.Sequential(*layers)  # conv_layers.{3j}.{weight,bias}
+        self.predictor = nn.Conv2d(c, config.out_channels, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.predictor(self.conv_layers(self.deconv_layers(features)))
+
+
+class PixelShuffleHead(nn.Module):
+    """Normal, pointmap, albedo, matting: conv to 4x the channels, then PixelShuffle(2) doubles H and W."""
+
+    def __init__(self, config: HeadConfig, in_channels: int):
+        super().__init__()
+        task = config.task
+        self.input_conv = nn.Sequential(*conv_norm_act(task, in_channels, in_channels, 3))
+        blocks, c = [], in_channels
+        for c_out, k in zip(config.upsample_channels, config.upsample_kernel_sizes):
+            conv = nn.Conv2d(c, 4 * c_out, k, padding=(k - 1) // 2)
+            blocks.append(nn.Sequential(conv, nn.PixelShuffle(2), make_norm(task, c_out), nn.SiLU()))
+            c = c_out
+        self.upsample_blocks = nn.Sequential(*blocks)  # upsample_blocks.{j}.0.{weight,bias}
+        layers = []
+        for c_out, k in zip(config.conv_channels, config.conv_kernel_sizes):
+            layers += conv_norm_act(task, c, c_out, k)
+            c = c_out
+        self.conv_layers = nn.Sequential(*layers)
+        self.predictor = nn.Conv2d(c, config.out_channels, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.predictor(self.conv_layers(self.upsample_blocks(self.input_conv(features))))
+
+
+class PointmapHead(PixelShuffleHead):
+    """The pixel-shuffle head plus the scale branch, which reads the backbone features directly."""
+
+    def __init__(self, config: HeadConfig, in_channels: int, feature_size: tuple[int, int]):
+        super().__init__(config, in_channels)
+        layers, c = [], in_channels
+        self.feature_size = tuple(feature_size)
+        h, w = feature_size
+        for c_out in config.scale_conv_channels:
+            layers += conv_norm_act(config.task, c, c_out, 1, stride=2)
+            c, h, w = c_out, (h - 1) // 2 + 1, (w - 1) // 2 + 1
+        self.scale_conv_layers = nn.Sequential(*layers)  # scale_conv_layers.{3j}.{weight,bias}
+        # NOTE: the MLP's input width fixes the feature-map size, so the scale branch only works at the
+        # size the head was built for (64x48 features for 1024x768 input: 128 * 8 * 6 = 6144).
+        mlp, width = [nn.Flatten()], c * h * w
+        for hidden in config.scale_hidden:
+            mlp += [nn.Linear(width, hidden), nn.SiLU()]
+            width = hidden
+        self.scale_final_layer = nn.Sequential(*mlp, nn.Linear(width, 1))  # Linear layers at 1, 3, 5
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if tuple(features.shape[-2:]) != self.feature_size:
+            h, w = self.feature_size
+            raise ValueError(
+                f"the pointmap scale branch was built for a {h}x{w} feature map (config.image_size), got "
+                f"{tuple(features.shape[-2:])}: run the pointmap model at the image size it was built for"
+            )
+        return super().forward(features), self.scale_final_layer(self.scale_conv_layers(features))
+
+
+def build_head(config: HeadConfig, in_channels: int, feature_size: tuple[int, int]) -> nn.Module:
+    if config.transposed:
+        return TransposedConvHead(config, in_channels)
+    if config.task == "pointmap":
+        return PointmapHead(config, in_channels, feature_size)
+    return PixelShuffleHead(config, in_channels)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Task models
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PoseOutput:
+    heatmaps: torch.Tensor  # (B, 308, H/4, W/4)
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class SegOutput:
+    logits: torch.Tensor  # (B, 29, H, W)
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class NormalOutput:
+    normals: torch.Tensor  # (B, 3, H, W), raw (not unit length; processing normalizes)
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class PointmapOutput:
+    pointmaps: torch.Tensor  # (B, 3, H, W) XYZ in the canonical camera (focal 768 network pixels)
+    scales: torch.Tensor  # (B, 1) canonical focal / actual focal: metric = pointmaps / scales
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class AlbedoOutput:
+    albedo: torch.Tensor  # (B, 3, H, W) RGB, raw (processing clamps to [0, 1])
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class MattingOutput:
+    alphas: torch.Tensor  # (B, 1, H, W) in [0, 1]
+    foregrounds: torch.Tensor  # (B, 3, H, W) premultiplied RGB in [0, 1]
+    loss: torch.Tensor | None = None
+
+
+class Sapiens2ForTask(nn.Module):
+    """Backbone + decode head. State-dict keys: `backbone.*`, `decode_head.*` (the original task format)."""
+
+    task: str = ""
+
+    def __init__(self, config: Sapiens2Config, head_config: HeadConfig):
+        super().__init__()
+        if self.task and head_config.task != self.task:
+            raise ValueError(f"{type(self).__name__} needs a {self.task} head, got a {head_config.task} head")
+        self.config, self.head_config = config, head_config
+        self.backbone = Sapiens2(config)
+        grid = tuple(s // config.size_multiple for s in config.image_size)
+        self.decode_head = build_head(head_config, config.embed_dim, grid)
+
+    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.backbone(pixel_values).features  # (B, C, H/16, W/16), after the final norm
+
+
+def _check_labels(name: str, labels: torch.Tensor, expected: tuple, what: str):
+    if tuple(labels.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(labels.shape)}")
+
+
+class Sapiens2ForPose(Sapiens2ForTask):
+    task = "pose"
+
+    def forward(self, pixel_values, labels=None, label_weights=None, flip_pairs=None) -> PoseOutput:
+        """labels: (B, K, H/4, W/4) target heatmaps; label_weights: (B, K) visibility weights.
+
+        flip_pairs: (P, 2) left/right keypoint pairs, as in HF: the input is taken to be the mirrored
+        image, and the heatmaps are mapped back (channels swapped, then mirrored). `flip_test` runs both.
+        """
+        heatmaps = self.decode_head(self.features(pixel_values))
+        if flip_pairs is not None:
+            heatmaps = flip_heatmaps_back(heatmaps, flip_pairs)
+        loss = None
+        if labels is not None:
+            _check_labels("labels", labels, heatmaps.shape, "target heatmaps like the model's output")
+            if label_weights is not None:
+                _check_labels("label_weights", label_weights, heatmaps.shape[:2], "one weight per keypoint")
+            loss = keypoint_mse_loss(heatmaps, labels, label_weights)
+        return PoseOutput(heatmaps, loss)
+
+    def flip_test(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The original's test-time augmentation: mean of the heatmaps of the image and of its mirror."""
+        plain = self(pixel_values).heatmaps
+        mirrored = self(pixel_values.flip(-1), flip_pairs=default_flip_pairs(plain.device)).heatmaps
+        return (plain + mirrored) / 2
+
+
+def default_flip_pairs(device=None) -> torch.Tensor:
+    """(146, 2) left/right pairs of the 308 keypoints."""
+    return torch.tensor(keypoints308()["flip_pairs"], device=device)
+
+
+def flip_heatmaps_back(heatmaps: torch.Tensor, flip_pairs: torch.Tensor) -> torch.Tensor:
+    """Heatmaps of a mirrored image -> heatmaps of the image: swap left/right channels, mirror x."""
+    flip_pairs = torch.as_tensor(flip_pairs, device=heatmaps.device)
+    order = torch.arange(heatmaps.shape[1], device=heatmaps.device)
+    order[flip_pairs[:, 0]], order[flip_pairs[:, 1]] = flip_pairs[:, 1], flip_pairs[:, 0]
+    return heatmaps[:, order].flip(-1)
+
+
+class Sapiens2ForSegmentation(Sapiens2ForTask):
+    task = "seg"
+
+    def forward(self, pixel_values, labels=None) -> SegOutput:
+        """labels: (B, H, W) class ids, 255 = ignore. The loss is the original's CE + Dice."""
+        logits = self.decode_head(self.features(pixel_values))
+        loss = None
+        if labels is not None:
+            _check_labels("labels", labels, (logits.shape[0], *logits.shape[2:]), "class ids per pixel")
+            loss = seg_loss(logits, labels)
+        return SegOutput(logits, loss)
+
+
+def _dense_mask(mask, labels):
+    if mask is None:
+        return torch.ones_like(labels[:, :1])
+    _check_labels("mask", mask, (labels.shape[0], 1, *labels.shape[2:]), "valid pixels")
+    return mask.to(labels.dtype)
+
+
+class Sapiens2ForNormal(Sapiens2ForTask):
+    task = "normal"
+
+    def forward(self, pixel_values, labels=None, mask=None) -> NormalOutput:
+        """labels: (B, 3, H, W) unit normals; mask: (B, 1, H, W) valid pixels (default: all)."""
+        normals = self.decode_head(self.features(pixel_values))
+        loss = None
+        if labels is not None:
+            _check_labels("labels", labels, normals.shape, "unit normals")
+            loss = normal_loss(normals, labels, _dense_mask(mask, labels))
+        return NormalOutput(normals, loss)
+
+
+class Sapiens2ForPointmap(Sapiens2ForTask):
+    task = "pointmap"
+
+    def forward(self, pixel_values, labels=None, mask=None, scales=None, intrinsics=None) -> PointmapOutput:
+        """labels: (B, 3, H, W) canonical XYZ; mask: (B, 1, H, W); scales: (B, 1) = 768 / fx;
+        intrinsics: (B, 3, 3) the pre-canonical K of the network input (needed by the K-consistency term,
+        and gives `scales` when they are not passed)."""
+        pointmaps, predicted_scales = self.decode_head(self.features(pixel_values))
+        loss = None
+        if labels is not None:
+            _check_labels("labels", labels, pointmaps.shape, "canonical XYZ")
+            if scales is None and intrinsics is None:
+                raise ValueError("the pointmap loss needs the ground-truth scales or the intrinsics")
+            if intrinsics is not None:
+                _check_labels("intrinsics", intrinsics, (labels.shape[0], 3, 3), "camera matrices")
+            if scales is None:
+                scales = CANONICAL_FOCAL / intrinsics[:, 0, 0:1]
+            _check_labels("scales", scales, (labels.shape[0], 1), "one scale per image")
+            loss = pointmap_loss(pointmaps, predicted_scales, labels, _dense_mask(mask, labels), scales, intrinsics)
+        return PointmapOutput(pointmaps, predicted_scales, loss)
+
+
+class Sapiens2ForAlbedo(Sapiens2ForTask):
+    task = "albedo"
+
+    def forward(self, pixel_values, labels=None, mask=None) -> AlbedoOutput:
+        """labels: (B, 3, H, W) albedo RGB in [0, 1]; mask: (B, 1, H, W)."""
+        albedo = self.decode_head(self.features(pixel_values))
+        loss = None
+        if labels is not None:
+            _check_labels("labels", labels, albedo.shape, "RGB albedo")
+            loss = albedo_loss(albedo, labels, _dense_mask(mask, labels))
+        return AlbedoOutput(albedo, loss)
+
+
+class Sapiens2ForMatting(Sapiens2ForTask):
+    task = "matting"
+
+    def forward(self, pixel_values, labels=None, foregrounds=None, backgrounds=None, images=None) -> MattingOutput:
+        """labels: (B, 1, H, W) alpha in [0, 1]. With foregrounds, backgrounds and images (B, 3, H, W, in
+        [0, 1]) the loss adds the composition term."""
+        out = self.decode_head(self.features(pixel_values)).sigmoid()  # (B, 4, H, W)
+        foreground, alpha = out[:, :3], out[:, 3:]
+        loss = None
+        if labels is not None:
+            _check_labels("labels", labels, alpha.shape, "alpha mattes")
+            loss = matting_loss(alpha, labels, foregrounds, backgrounds, images)
+        return MattingOutput(alpha, foreground, loss)
+
+
+TASK_MODELS = {cls.task: cls for cls in (Sapiens2ForPose, Sapiens2ForSegmentation, Sapiens2ForNormal,
+                                         Sapiens2ForPointmap, Sapiens2ForAlbedo, Sapiens2ForMatting)}
+
+
+def build_task_model(config: Sapiens2Config, head_config: HeadConfig) -> Sapiens2ForTask:
+    return TASK_MODELS[head_config.task](config, head_config)
+
+
+def from_preset(name: str, **backbone_overrides) -> Sapiens2ForTask:
+    """A randomly initialized task model, e.g. from_preset("seg-0.4b")."""
+    if name not in TASK_PRESETS:
+        raise ValueError(f"unknown task preset {name!r}; choose one of {', '.join(TASK_PRESETS)}")
+    task, size = name.split("-", 1)
+    return build_task_model(Sapiens2Config.from_preset(size, **backbone_overrides), head_preset(task, size))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Losses (the original training code's, spec: shared/spec/losses.md; weights are the released configs')
+# ----------------------------------------------------------------------------------------------------
+
+
+def keypoint_mse_loss(heatmaps, targets, weights=None, loss_weight: float = 10.0):
+    """loss_weight * mean over ALL elements of w_{b,k} (P - T)^2 (zero-weight keypoints still count in
+    the mean). HF's Sapiens2ForPoseEstimation loss is the same with loss_weight 1."""
+    squared = (heatmaps.float() - targets.float()) ** 2
+    if weights is not None:
+        squared = squared * weights.float()[:, :, None, None]
+    return loss_weight * squared.mean()
+
+
+def seg_cross_entropy(logits, labels, class_weights=None, ignore_index: int = 255, average_over: str = "pixels"):
+    """Per-pixel w_y * CE. average_over="pixels" (the original): divide by ALL pixels, ignored included;
+    "valid": divide by the non-ignored pixels (torch's / HF's mean, which has no class weights)."""
+    per_pixel = F.cross_entropy(logits.float(), labels.long(), weight=class_weights, ignore_index=ignore_index,
+                                reduction="none")
+    if average_over == "pixels":
+        return per_pixel.mean()
+    if average_over == "valid":
+        if class_weights is not None:
+            return per_pixel.sum() / class_weights[labels[labels != ignore_index]].sum().clamp(min=1e-12)
+        return per_pixel.sum() / (labels != ignore_index).sum().clamp(min=1)
+    raise ValueError(f"average_over must be 'pixels' or 'valid', got {average_over!r}")
+
+
+def seg_dice_loss(logits, labels, ignore_index: int = 255, eps: float = 1e-3):
+    """Multi-class Dice, background excluded, squared denominators, averaged over the classes present in
+    each sample and divided by B (samples without foreground contribute 0)."""
+    num_classes = logits.shape[1]
+    valid = (labels != ignore_index).unsqueeze(1).float()  # (B, 1, H, W)
+    probs = logits.float().softmax(dim=1) * valid
+    onehot = F.one_hot(labels.masked_fill(labels == ignore_index, 0).long(), num_classes).movedim(-1, 1).float() * valid
+    probs, onehot = probs[:, 1:].flatten(2), onehot[:, 1:].flatten(2)  # (B, K-1, HW): no background
+    dice = (2 * (probs * onehot).sum(-1) + eps) / (probs.square().sum(-1) + onehot.square().sum(-1) + eps)
+    present = (onehot.sum(-1) > 0).float()  # (B, K-1)
+    mean_dice = (dice * present).sum(-1) / present.sum(-1).clamp(min=1)
+    counted = ((valid.flatten(1).sum(-1) > 0) & (present.sum(-1) > 0)).float()
+    return (counted * (1 - mean_dice)).mean()
+
+
+def seg_loss(logits, labels, class_weights=None):
+    """The released configs' loss: weighted CE (the 29 training class weights by default) + Dice."""
+    if class_weights is None and logits.shape[1] == len(seg29()["train_class_weights"]):
+        class_weights = torch.tensor(seg29()["train_class_weights"], device=logits.device)
+    return seg_cross_entropy(logits, labels, class_weights) + seg_dice_loss(logits, labels)
+
+
+def masked_pixel_mean(error, mask):
+    """MPM: sum over pixels AND channels of error * mask, divided by the number of valid pixels."""
+    return (error * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _finite(x):
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def gradient_l2(pred, target, mask):
+    """(E_x, E_y): squared error of forward differences over pixel pairs that are both valid."""
+    terms = []
+    for dim in (-1, -2):
+        n = pred.shape[dim]
+        diff = lambda x: x.narrow(dim, 1, n - 1) - x.narrow(dim, 0, n - 1)  # noqa: E731
+        pair = mask.narrow(dim, 1, n - 1) * mask.narrow(dim, 0, n - 1)
+        terms.append(((diff(pred) - diff(target)) ** 2 * pair).sum() / pair.sum().clamp(min=1))
+    return terms
+
+
+def _empty_mask_guard(loss, pred, mask):
+    """The original's rule: an empty mask gives 0 * sum(pred) (zero, but attached to the graph)."""
+    return torch.where(mask.sum() > 0, loss, 0 * pred.sum())
+
+
+def normal_loss(pred, target, mask):
+    """10 * cosine + 1 * L1 + 10 * (E_x + E_y) of forward differences."""
+    pred, target = pred.float(), target.float()
+    cosine = (F.normalize(pred, dim=1, eps=1e-6) * F.normalize(target, dim=1, eps=1e-6)).sum(1, keepdim=True)
+    terms = [
+        10 * masked_pixel_mean(1 - cosine, mask),
+        masked_pixel_mean((pred - target).abs(), mask),
+        10 * sum(gradient_l2(pred, target, mask)),
+    ]
+    return sum(_empty_mask_guard(_finite(t), pred, mask) for t in terms)
+
+
+def albedo_loss(pred, target, mask):
+    """2 * L1 + 2 * mean(E_x, E_y) + 1 * chromaticity L1 (prediction clamped to [0, 1])."""
+    pred, target = pred.float(), target.float()
+    chroma = lambda x: x / (x.sum(1, keepdim=True) + 1e-6)  # noqa: E731
+    terms = [
+        _empty_mask_guard(_finite(2 * masked_pixel_mean((pred - target).abs(), mask)), pred, mask),
+        _empty_mask_guard(_finite(2 * 0.5 * sum(gradient_l2(pred, target, mask))), pred, mask),
+        _finite(masked_pixel_mean((chroma(pred.clamp(0, 1)) - chroma(target)).abs(), mask)),
+    ]
+    return sum(terms)
+
+
+def _pointmap_normals(points, mask):
+    """Unit normals of a pointmap from reflect-padded forward differences (x100); invalid ones zeroed."""
+    padded = F.pad(points, (0, 1, 0, 1), mode="reflect")
+    a = (padded[:, :, :-1, 1:] - padded[:, :, :-1, :-1]) * 100  # along x
+    b = (padded[:, :, 1:, :-1] - padded[:, :, :-1, :-1]) * 100  # along y
+    n = torch.cross(a, b, dim=1)
+    length = n.norm(dim=1, keepdim=True)
+    valid = (length > 1e-6) & (mask > 0)
+    return n / length.clamp(min=1e-6) * valid, valid.float()
+
+
+def pointmap_loss(pred, pred_scale, target, mask, scale, intrinsics=None):
+    """The seven released terms (the K-consistency term only when intrinsics are given):
+    2*L1, 1*L1 at 2x, SiLog(Z), K-consistency, shift-invariant L1 (all but SiLog/K on XYZ / mean Z, the
+    L1 kinds clamped at 4), 2*normals-from-points, 4*|scale - scale_gt|."""
+    pred, target, mask = pred.float(), target.float(), mask.float()
+    mu = (target[:, 2:3] * mask).sum((2, 3), keepdim=True) / mask.sum((2, 3), keepdim=True).clamp(min=1)
+    p, g = pred / mu, target / mu
+    guard = lambda t: _empty_mask_guard(_finite(t), pred, mask)  # noqa: E731
+    l1 = guard(2 * masked_pixel_mean((p - g).abs(), mask)).clamp(max=4)
+    up = lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)  # noqa: E731
+    mask2 = F.interpolate(mask, scale_factor=2, mode="nearest")
+    multiscale = guard(masked_pixel_mean((up(p) - up(g)).abs(), mask2)).clamp(max=4)
+    centred = lambda x: x - (x * mask).sum((2, 3), keepdim=True) / (mask.sum((2, 3), keepdim=True) + 1e-6)  # noqa: E731
+    shift_invariant = guard(masked_pixel_mean((centred(p) - centred(g)).abs(), mask)).clamp(max=4)
+    terms = [l1, multiscale, silog_loss(pred[:, 2], target[:, 2], mask[:, 0]), shift_invariant]
+    if intrinsics is not None:
+        terms.append(intrinsics_consistency_loss(pred, mask, intrinsics.float()))
+    metric = scale.float().view(-1, 1, 1, 1)
+    n_pred, _ = _pointmap_normals(pred / metric, mask)
+    n_true, valid = _pointmap_normals(target / metric, mask)
+    per_pixel = (1 - (n_pred * n_true).sum(1, keepdim=True).clamp(-1, 1)) + (n_pred - n_true).abs().mean(1, keepdim=True)
+    terms.append(2 * (per_pixel * valid).sum() / valid.sum().clamp(min=1))
+    terms.append(4 * (pred_scale.float() - scale.float()).abs().mean())
+    return sum(terms)
+
+
+def silog_loss(pred_depth, depth, mask, lam: float = 0.5):
+    """Per sample sqrt(mean d^2 - lam (mean d)^2), d = log Z - log Z_hat (both clamped at 1e-4); mean over B."""
+    d = torch.log(depth.clamp(min=1e-4)) - torch.log(pred_depth.clamp(min=1e-4))
+    valid = (mask > 0) & (depth > -100) & ~torch.isnan(d)
+    d = torch.where(valid, d, torch.zeros_like(d)).flatten(1)
+    n = valid.flatten(1).sum(-1).float().clamp(min=1e-4)
+    return torch.sqrt((d.square().sum(-1) / n) - lam * (d.sum(-1) / n).square()).mean()
+
+
+def intrinsics_consistency_loss(pred, mask, intrinsics):
+    """|X - (u - cx) Z / fx| + |Y - (v - cy) Z / fy| over valid pixels, in canonical units."""
+    B, _, H, W = pred.shape
+    v, u = torch.meshgrid(torch.arange(H, device=pred.device), torch.arange(W, device=pred.device), indexing="ij")
+    fx, fy = intrinsics[:, 0, 0].view(B, 1, 1), intrinsics[:, 1, 1].view(B, 1, 1)
+    cx, cy = intrinsics[:, 0, 2].view(B, 1, 1), intrinsics[:, 1, 2].view(B, 1, 1)
+    z = pred[:, 2]
+    error = (pred[:, 0] - (u - cx) * z / fx).abs() + (pred[:, 1] - (v - cy) * z / fy).abs()
+    loss = (error * mask[:, 0]).sum() / mask.sum().clamp(min=1)
+    return torch.where(mask.sum() > 0, torch.nan_to_num(loss, nan=0.0), 0 * pred.sum())
+
+
+def _laplacian_pyramid(x, levels: int = 5):
+    kernel = torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0], device=x.device)
+    kernel = (kernel[:, None] * kernel[None, :] / 256).view(1, 1, 5, 5).to(x.dtype)
+    blur = lambda t: F.conv2d(F.pad(t, (2, 2, 2, 2), mode="reflect"), kernel)  # noqa: E731
+    bands = []
+    for _ in range(levels):
+        down = blur(x)[:, :, ::2, ::2]
+        up = F.interpolate(down, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        bands.append(x - up)
+        x = down
+    return bands
+
+
+def matting_loss(alpha, target, foregrounds=None, backgrounds=None, images=None):
+    """NOTE: no original matting training code exists; this is a standard set (spec losses.md 6):
+    alpha L1 + Laplacian-pyramid L1 (5 levels, weights 2^(l-1)) + composition L1 when F, B and I are given."""
+    alpha, target = alpha.float(), target.float()
+    loss = (alpha - target).abs().mean()
+    loss = loss + sum(2**l * (a - b).abs().mean()
+                      for l, (a, b) in enumerate(zip(_laplacian_pyramid(alpha), _laplacian_pyramid(target))))
+    if foregrounds is not None and backgrounds is not None and images is not None:
+        composite = alpha * foregrounds + (1 - alpha) * backgrounds
+        loss = loss + (composite - images).abs().mean()
+    return loss
