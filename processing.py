@@ -1,0 +1,976 @@
+"""Pre- and post-processing for every Sapiens2 task, plus visualizations and COCO export.
+
+Images in, tensors out; model outputs in, results and pictures out. torch + numpy + pillow only, no model code.
+
+Conventions
+- An image is a `(3, H, W)` tensor, uint8 (0..255) or float32 (0..255 scale). Sizes are `(height, width)`.
+- Boxes are COCO `xywh` in source-image pixels (what HF takes); results report `xyxy`.
+- Every step runs on the device of its input (or `device=`); nothing goes back to the CPU except the
+  small per-image bookkeeping (sizes, paddings) that lives in Python lists.
+
+Which reference each behaviour follows (see shared spec/checkpoints.md section e)
+- `resample="hf"` (default): transformers 5.23 `Sapiens2ImageProcessor`, which resizes with torchvision's
+  antialiased bilinear filter and crops people with `grid_sample`. Matched numerically (tests/test_processing.py).
+- `resample="original"`: the demo scripts' OpenCV resampling (INTER_AREA / INTER_CUBIC / INTER_LINEAR, uint8
+  warps). OpenCV cannot run here, so these are torch approximations: same kernels and pixel-centre geometry,
+  but not OpenCV's fixed-point arithmetic (expect +-1 grey level on some pixels).
+- Where HF is silent (flip-back of heatmaps, pointmap pre-smoothing, renormalising normals after the resize,
+  visualization), the original demos are followed and the docstring says so.
+
+Metadata (skeleton, colours, flip indices, palette) is read from `data/keypoints308.json` and `data/seg29.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
+
+DATA_DIR = Path(__file__).parent / "data"
+MODEL_SIZE = (1024, 768)  # (height, width) the released checkpoints were trained at
+PATCH_SIZE = 16
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CROP_PADDING = 1.25  # box enlargement of the top-down pose pipeline (PoseGetBBoxCenterScale)
+HEATMAP_DOWNSCALE = 4  # pose heatmaps are 1/4 of the input: 256x192 for 1024x768
+HEATMAP_SIGMA = 6.0
+DARK_BLUR_KERNEL = 11  # cv2.GaussianBlur(k=11, sigma=0) in the original UDP decoder
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metadata
+# ----------------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def keypoint_metadata() -> dict:
+    """The 308-keypoint metadata: names, colours (RGB), skeleton, flip indices, COCO-WholeBody mapping."""
+    return json.loads((DATA_DIR / "keypoints308.json").read_text())
+
+
+@lru_cache(maxsize=None)
+def segmentation_metadata() -> dict:
+    """The 29-class body-part metadata: class names and RGB palette."""
+    return json.loads((DATA_DIR / "seg29.json").read_text())
+
+
+@lru_cache(maxsize=None)
+def coco17_indices() -> tuple[int, ...]:
+    """Indices into the 308 keypoints of the 17 COCO body keypoints, in COCO order (wrists are 62 and 41)."""
+    mapping = dict(keypoint_metadata()["coco_wholebody_to_keypoints308"])
+    return tuple(mapping[i] for i in range(17))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading images
+# ----------------------------------------------------------------------------------------------------------------
+class ImageLoadError(ValueError):
+    """A file could not be read as an image. The message names the file and the reason."""
+
+
+def load_image(image) -> torch.Tensor:
+    """Any single image -> `(3, H, W)` RGB tensor, uint8 (or float32 on a 0..255 scale for float inputs).
+
+    Accepts a path (str/Path), a PIL image, a numpy array `(H, W)`, `(H, W, C)` or a tensor `(H, W)`, `(C, H, W)`
+    with C in {1, 3, 4}. Grayscale is repeated, alpha is composited over white (as HF does), palette / CMYK /
+    16-bit images are converted, and the EXIF orientation is applied. uint16 data is scaled to 8 bits.
+    Float arrays/tensors must be in [0, 1] (the PIL/torchvision convention); pass uint8 for 0..255 data.
+    Tensors keep their device.
+    """
+    if isinstance(image, (str, Path)):
+        return _pil_to_tensor(_open_image_file(Path(image)))
+    if isinstance(image, Image.Image):
+        return _pil_to_tensor(image)
+    if isinstance(image, np.ndarray):
+        if image.ndim == 3 and image.shape[-1] in (1, 3, 4):
+            image = np.ascontiguousarray(image.transpose(2, 0, 1))  # (C, H, W)
+        return _tensor_to_rgb(torch.from_numpy(np.ascontiguousarray(image)), "numpy array")
+    if isinstance(image, torch.Tensor):
+        return _tensor_to_rgb(image, "tensor")
+    raise TypeError(f"cannot read an image from a {type(image).__name__}; pass a path, PIL image, array or tensor")
+
+
+def load_images(images) -> list[torch.Tensor]:
+    """A batch -> list of `(3, H, W)` tensors. A batch is a list/tuple, a `(B, C, H, W)` tensor or a
+    `(B, H, W, C)` array; anything else is a single image."""
+    if isinstance(images, (list, tuple)):
+        if len(images) == 0:
+            raise ValueError("empty batch: no images given")
+        return [load_image(image) for image in images]
+    if isinstance(images, (torch.Tensor, np.ndarray)) and images.ndim == 4:
+        return [load_image(image) for image in images]
+    return [load_image(images)]
+
+
+def _open_image_file(path: Path) -> Image.Image:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.is_dir():
+        raise ImageLoadError(f"{path}: is a directory, not an image file")
+    if path.stat().st_size == 0:
+        raise ImageLoadError(f"{path}: the file is empty")
+    try:
+        with Image.open(path) as image:
+            image.load()  # decode now, so a truncated file fails here and not somewhere downstream
+            return ImageOps.exif_transpose(image)
+    except UnidentifiedImageError:
+        raise ImageLoadError(f"{path}: not an image (Pillow does not recognise the format)") from None
+    except (OSError, SyntaxError, EOFError, ValueError) as error:
+        raise ImageLoadError(f"{path}: truncated or corrupt image ({error})") from None
+
+
+def _pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit PNG/TIFF: scale, do not clip at 255
+        return _tensor_to_rgb(torch.from_numpy(np.array(image).astype(np.int32)).clamp(0, 65535), "16-bit image")
+    if image.mode == "F":
+        return _tensor_to_rgb(torch.from_numpy(np.array(image)), "float image")
+    if "A" in image.getbands() or "transparency" in image.info:
+        # Same as HF's convert_to_rgb: composite over white, so transparent areas do not become black.
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    rgb = np.array(image.convert("RGB"))  # handles L, 1, P, CMYK, YCbCr, ...
+    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+
+
+def _tensor_to_rgb(image: torch.Tensor, what: str) -> torch.Tensor:
+    if image.ndim == 2:
+        image = image[None]
+    if image.ndim != 3 or image.shape[0] not in (1, 3, 4):
+        raise ValueError(f"{what} of shape {tuple(image.shape)} is not an image; expected (H, W), (C, H, W) tensors "
+                         f"or (H, W, C) arrays with C in 1, 3, 4")
+    if image.shape[-1] == 0 or image.shape[-2] == 0:
+        raise ValueError(f"{what} of shape {tuple(image.shape)} is empty")
+    image = _to_8bit_scale(image, what)
+    if image.shape[0] == 1:
+        image = image.expand(3, -1, -1)
+    elif image.shape[0] == 4:
+        image = _composite_over_white(image)
+    return image.contiguous()
+
+
+def _composite_over_white(rgba: torch.Tensor) -> torch.Tensor:
+    """Alpha over white in [0, 1], converted back like HF's tensor `convert_to_rgb` (uint8: x * 255.999, floor)."""
+    rgb, alpha = rgba[:3].float() / 255, rgba[3:].float() / 255
+    composite = rgb * alpha + (1 - alpha)
+    return float_to_uint8(composite) if rgba.dtype == torch.uint8 else composite * 255
+
+
+def _to_8bit_scale(image: torch.Tensor, what: str) -> torch.Tensor:
+    if image.dtype == torch.uint8:
+        return image
+    if image.is_floating_point():
+        low, high = image.min().item(), image.max().item()
+        if low < 0 or high > 1:
+            raise ValueError(f"float {what} has values in [{low:g}, {high:g}]; float images must be in [0, 1] "
+                             f"(pass uint8 for 0..255 data)")
+        return image.float() * 255
+    if image.dtype in (torch.int16, torch.int32, torch.int64, torch.uint16):
+        # 16-bit data -> 8 bit with rounding: v8 = round(v16 * 255 / 65535)
+        return ((image.long().clamp(0, 65535) * 255 + 32767) // 65535).to(torch.uint8)
+    raise ValueError(f"{what} has unsupported dtype {image.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resampling primitives
+# ----------------------------------------------------------------------------------------------------------------
+def resize(images: torch.Tensor, size: tuple[int, int], method: str = "bilinear_antialias") -> torch.Tensor:
+    """Resize `(..., C, H, W)` to `size`, keeping the dtype (uint8 results are rounded and saturated).
+
+    Methods:
+    - "bilinear_antialias": torchvision's `resize(antialias=True)`, HF's resampling. Reproduces its dtype rules:
+      uint8 goes through torch's native uint8 kernel on CPUs where torchvision uses it, else float + round.
+    - "bilinear": cv2.INTER_LINEAR (no antialiasing), "bicubic": cv2.INTER_CUBIC (a = -0.75, replicated border),
+      "area": cv2.INTER_AREA for downscaling (exact pixel-overlap averaging), "nearest": floor mapping like
+      cv2.INTER_NEAREST. These follow OpenCV's geometry in float; OpenCV's fixed-point rounding is not reproduced.
+    """
+    height, width = size
+    if tuple(images.shape[-2:]) == (height, width):
+        return images  # torchvision returns the input untouched in this case too
+    shape = images.shape
+    batch = images.reshape(-1, *shape[-3:])
+    if method == "area" and (height <= shape[-2] and width <= shape[-1]):
+        out = _resize_area(batch, size)
+    else:
+        mode = {"bilinear_antialias": "bilinear", "area": "bilinear"}.get(method, method)
+        if mode not in ("bilinear", "bicubic", "nearest"):
+            raise ValueError(f"unknown resize method {method!r}")
+        antialias = method == "bilinear_antialias"
+        out = _interpolate_keep_dtype(batch, size, mode, antialias)
+    return out.reshape(*shape[:-2], height, width)
+
+
+def _interpolate_keep_dtype(images, size, mode, antialias):
+    native_uint8 = images.dtype == torch.uint8 and (mode == "nearest" or (
+        images.device.type == "cpu" and _cpu_has_native_uint8_kernel(mode)))
+    align = None if mode == "nearest" else False
+    if native_uint8 or images.is_floating_point():
+        return F.interpolate(images, size=size, mode=mode, align_corners=align, antialias=antialias)
+    out = F.interpolate(images.float(), size=size, mode=mode, align_corners=align, antialias=antialias)
+    if images.dtype == torch.uint8:
+        out = out.clamp_(0, 255)  # bicubic overshoots; torchvision clamps uint8 the same way
+    return out.round_().to(images.dtype)
+
+
+def _cpu_has_native_uint8_kernel(mode: str) -> bool:
+    # Mirrors torchvision 0.29 `_do_native_uint8_resize_on_cpu`: torch's uint8 kernel (fixed-point, rounds
+    # differently from float + round) is used for bilinear only on AVX2/AVX512/ARM CPUs, and always for bicubic.
+    if mode == "bicubic":
+        return True
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
+
+
+def _resize_area(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """cv2.INTER_AREA downscaling: each output pixel is the average of the input area it covers."""
+    rows = _area_weights(images.shape[-2], size[0], images.device)  # (out_h, in_h)
+    cols = _area_weights(images.shape[-1], size[1], images.device)  # (out_w, in_w)
+    out = torch.einsum("oh,bchw,pw->bcop", rows, images.float(), cols)
+    return out.round_().clamp_(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else out
+
+
+def _area_weights(in_size: int, out_size: int, device) -> torch.Tensor:
+    scale = in_size / out_size
+    starts = torch.arange(out_size, dtype=torch.float64, device=device)[:, None] * scale  # (out, 1)
+    pixel = torch.arange(in_size, dtype=torch.float64, device=device)[None, :]  # (1, in)
+    overlap = (torch.minimum(pixel + 1, starts + scale) - torch.maximum(pixel, starts)).clamp(min=0)
+    return (overlap / scale).float()
+
+
+def gaussian_kernel1d(kernel_size: int, sigma: float, device=None) -> torch.Tensor:
+    """Normalised 1-D Gaussian taps at integer offsets (torchvision's and cv2's kernel for an explicit sigma)."""
+    offsets = torch.arange(kernel_size, dtype=torch.float32, device=device) - (kernel_size - 1) / 2
+    taps = torch.exp(-0.5 * (offsets / sigma) ** 2)
+    return taps / taps.sum()
+
+
+def gaussian_blur(maps: torch.Tensor, kernel_size: int, sigma: float, padding: str = "zeros") -> torch.Tensor:
+    """Separable Gaussian blur of `(N, C, H, W)` float maps, each channel on its own.
+
+    `padding="zeros"` is the DARK decoder's pad-with-zeros-then-crop; "reflect" is torchvision's
+    `gaussian_blur` (used for the original pointmap smoothing).
+    """
+    if kernel_size % 2 == 0 or kernel_size <= 1:
+        raise ValueError(f"Gaussian kernel size must be odd and > 1, got {kernel_size}")
+    channels, half = maps.shape[1], kernel_size // 2
+    taps = gaussian_kernel1d(kernel_size, sigma, maps.device).to(maps.dtype)
+    pad_mode = "constant" if padding == "zeros" else padding
+    out = F.pad(maps, (half, half, half, half), mode=pad_mode)
+    out = F.conv2d(out, taps.view(1, 1, 1, -1).expand(channels, 1, 1, -1), groups=channels)  # along W
+    return F.conv2d(out, taps.view(1, 1, -1, 1).expand(channels, 1, -1, 1), groups=channels)  # along H
+
+
+def normalize(images: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
+    """`(..., 3, H, W)` on a 0..255 scale -> float32 `(x - 255 mean) / (255 std)`, as HF's fused rescale+normalize."""
+    mean_255 = torch.tensor(mean, dtype=torch.float32, device=images.device).view(3, 1, 1) * 255.0
+    std_255 = torch.tensor(std, dtype=torch.float32, device=images.device).view(3, 1, 1) * 255.0
+    return (images.float() - mean_255) / std_255
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Preprocessing
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelInputs:
+    """A preprocessed batch and what post-processing needs to map outputs back to the source images.
+
+    pixel_values: `(B, 3, H, W)` float32, normalised (None for `ModelInputs.layout`).
+    image_sizes: `(height, width)` of the source image of each row.
+    content_boxes: `(top, left, bottom, right)` of the image inside each row (the rest is padding).
+    model_size: `(H, W)` of the model input.
+    boxes / image_indices / num_images: for person crops, the `(B, 4)` xywh box of each crop, which image it came
+    from, and how many images there were (some may have no people).
+    """
+
+    pixel_values: torch.Tensor | None
+    image_sizes: list[tuple[int, int]]
+    content_boxes: list[tuple[int, int, int, int]]
+    model_size: tuple[int, int]
+    boxes: torch.Tensor | None = None
+    image_indices: list[int] | None = None
+    num_images: int | None = None
+
+    @classmethod
+    def layout(cls, image_sizes, size: tuple[int, int] = MODEL_SIZE, pad: bool = False) -> "ModelInputs":
+        """The bookkeeping `preprocess` would record for images of `image_sizes`, without pixels: for
+        post-processing outputs whose inputs were prepared elsewhere (HF's `source_sizes`)."""
+        sizes = [tuple(int(v) for v in s) for s in image_sizes]
+        content = [resized_content_box(s, size) if pad else (0, 0, *size) for s in sizes]
+        return cls(None, sizes, content, tuple(size))
+
+
+def preprocess(images, size: tuple[int, int] = MODEL_SIZE, pad: bool = False, resample: str = "hf",
+               device=None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> ModelInputs:
+    """Images -> model input.
+
+    `pad=False`: plain resize to `size` ignoring the aspect ratio (HF default; original seg demo).
+    `pad=True`: aspect-preserving resize (`int()` of the scaled sides) then centred zero padding in raw pixel
+    space (so padding normalises to -mean/std): HF `do_pad=True`, original normal/pointmap/albedo demos.
+    `resample`: "hf" (antialiased bilinear) or "original" (seg: INTER_AREA when the width shrinks else
+    INTER_CUBIC; padded tasks: INTER_LINEAR).
+    """
+    _check_model_size(size)
+    images = [image.to(device) if device is not None else image for image in load_images(images)]
+    resized, content_boxes = [None] * len(images), [None] * len(images)
+    for indices in _group_by_shape(images):  # one resize call per distinct input shape, as HF does
+        batch = torch.stack([images[i] for i in indices])
+        if pad:
+            batch, content = _resize_and_pad(batch, size, resample)
+        else:
+            batch, content = resize(batch, size, _plain_resize_method(batch, size, resample)), (0, 0, *size)
+        for row, i in enumerate(indices):
+            resized[i], content_boxes[i] = batch[row], content
+    pixel_values = normalize(torch.stack([image.float() for image in resized]), mean, std)
+    return ModelInputs(pixel_values, [tuple(image.shape[-2:]) for image in images], content_boxes, tuple(size))
+
+
+def _group_by_shape(images: list[torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for index, image in enumerate(images):
+        groups.setdefault((tuple(image.shape), image.dtype, image.device), []).append(index)
+    return list(groups.values())
+
+
+def resized_content_box(image_size: tuple[int, int], size: tuple[int, int] = MODEL_SIZE):
+    """Where an image of `image_size` lands inside the padded model input: `(top, left, bottom, right)`.
+
+    Scale = min(H/h, W/w), sides truncated with `int()`; padding split `pad // 2` before, the rest after
+    (same in HF's `center_crop` padding and the original `NormalResizePadImage`).
+    """
+    scale = min(size[0] / image_size[0], size[1] / image_size[1])
+    new_height, new_width = int(image_size[0] * scale), int(image_size[1] * scale)
+    top, left = (size[0] - new_height) // 2, (size[1] - new_width) // 2
+    return top, left, top + new_height, left + new_width
+
+
+def _resize_and_pad(image, size, resample):
+    top, left, bottom, right = resized_content_box(tuple(image.shape[-2:]), size)
+    method = "bilinear_antialias" if resample == "hf" else _original_method("bilinear", resample)
+    image = resize(image, (bottom - top, right - left), method)
+    image = F.pad(image, (left, size[1] - right, top, size[0] - bottom), value=0)
+    return image, (top, left, bottom, right)
+
+
+def _plain_resize_method(image, size, resample):
+    if resample == "hf":
+        return "bilinear_antialias"
+    # Original SegResize decides on the width only: INTER_AREA when shrinking, else INTER_CUBIC.
+    return _original_method("area" if size[1] < image.shape[-1] else "bicubic", resample)
+
+
+def _original_method(method, resample):
+    if resample != "original":
+        raise ValueError(f"resample must be 'hf' or 'original', got {resample!r}")
+    return method
+
+
+def _check_model_size(size):
+    if len(size) != 2 or any(int(side) != side or side <= 0 or side % PATCH_SIZE for side in size):
+        raise ValueError(f"model input size {size} must be (height, width), both positive multiples of {PATCH_SIZE}")
+
+
+# --- top-down person crops --------------------------------------------------------------------------------------
+def crop_geometry(boxes_xywh: torch.Tensor, size: tuple[int, int] = MODEL_SIZE, padding: float = CROP_PADDING):
+    """Boxes `(N, 4)` xywh -> crop centres `(N, 2)` and crop sizes `(N, 2)` (w, h) in image pixels.
+
+    The box is enlarged by `padding`, then its short side is grown until w / h equals the model's aspect
+    (PoseGetBBoxCenterScale + the aspect fix of PoseTopdownAffine; HF `boxes_to_crop_params`).
+    """
+    x, y, w, h = boxes_xywh.float().unbind(-1)
+    center = torch.stack([x + 0.5 * w, y + 0.5 * h], dim=-1)
+    w, h = w * padding, h * padding
+    aspect = size[1] / size[0]
+    crop = torch.where((w > h * aspect)[..., None], torch.stack([w, w / aspect], -1), torch.stack([h * aspect, h], -1))
+    return center, crop
+
+
+def crop_people(image: torch.Tensor, boxes_xywh, size: tuple[int, int] = MODEL_SIZE,
+                padding: float = CROP_PADDING, resample: str = "hf") -> torch.Tensor:
+    """One image, N boxes -> `(N, 3, H, W)` float crops on a 0..255 scale (not normalised).
+
+    UDP geometry (`out = s * (in - center + crop / 2)`, `s = (size - 1) / crop`), sampled with
+    `grid_sample(align_corners=True)`, zeros outside: bilinear when the crop shrinks (min(sx, sy) < 1),
+    bicubic otherwise. "hf" keeps float values (HF `crop_and_resize`); "original" rounds and saturates to uint8
+    like `cv2.warpAffine` on a uint8 image (whose INTER_AREA falls back to INTER_LINEAR).
+    """
+    boxes = torch.as_tensor(boxes_xywh, dtype=torch.float32, device=image.device).reshape(-1, 4)
+    centers, crops = crop_geometry(boxes, size, padding)
+    grids, upscale = _crop_grids(centers, crops, size, tuple(image.shape[-2:]))
+    image = image.float()[None]
+    out = torch.empty(len(boxes), image.shape[1], *size, device=image.device)
+    for mask, mode in ((~upscale, "bilinear"), (upscale, "bicubic")):
+        if mask.any():
+            out[mask] = F.grid_sample(image.expand(int(mask.sum()), -1, -1, -1), grids[mask], mode=mode,
+                                      padding_mode="zeros", align_corners=True)
+    if resample == "original":
+        out = out.clamp_(0, 255).round_()
+    elif resample != "hf":
+        raise ValueError(f"resample must be 'hf' or 'original', got {resample!r}")
+    return out
+
+
+def _crop_grids(centers, crops, size, image_size):
+    """Sampling grid `(N, H, W, 2)` in grid_sample's [-1, 1] coordinates, and which crops are upscaled."""
+    out_height, out_width = size
+    crop_width, crop_height = crops.unbind(-1)  # (N,)
+    scale_x, scale_y = (out_width - 1) / crop_width, (out_height - 1) / crop_height
+    grid_y, grid_x = torch.meshgrid(torch.arange(out_height, dtype=torch.float32, device=crops.device),
+                                    torch.arange(out_width, dtype=torch.float32, device=crops.device), indexing="ij")
+    # (N, H, W): output pixel -> source pixel (pixel centres at integers)
+    in_x = grid_x / scale_x[:, None, None] + centers[:, 0, None, None] - 0.5 * crop_width[:, None, None]
+    in_y = grid_y / scale_y[:, None, None] + centers[:, 1, None, None] - 0.5 * crop_height[:, None, None]
+    height, width = image_size
+    grids = torch.stack([2.0 * in_x / (width - 1) - 1.0, 2.0 * in_y / (height - 1) - 1.0], dim=-1)
+    return grids, torch.minimum(scale_x, scale_y) >= 1.0
+
+
+def preprocess_crops(images, boxes, size: tuple[int, int] = MODEL_SIZE, padding: float = CROP_PADDING,
+                     resample: str = "hf", device=None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> ModelInputs:
+    """Images + per-image person boxes (COCO xywh lists, several per image) -> one row per person.
+
+    Without boxes the original demo uses the whole image, box xyxy `[0, 0, W - 1, H - 1]`: pass
+    `[[0, 0, W - 1, H - 1]]` for that image.
+    """
+    _check_model_size(size)
+    images = load_images(images)
+    if len(boxes) != len(images):
+        raise ValueError(f"got {len(images)} images but boxes for {len(boxes)}")
+    crops, sizes, image_indices, all_boxes = [], [], [], []
+    for index, (image, image_boxes) in enumerate(zip(images, boxes)):
+        image = image.to(device) if device is not None else image
+        image_boxes = torch.as_tensor(image_boxes, dtype=torch.float32, device=image.device).reshape(-1, 4)
+        crops.append(crop_people(image, image_boxes, size, padding, resample))
+        all_boxes.append(image_boxes)
+        sizes += [tuple(image.shape[-2:])] * len(image_boxes)
+        image_indices += [index] * len(image_boxes)
+    pixel_values = normalize(torch.cat(crops), mean, std)
+    return ModelInputs(pixel_values, sizes, [(0, 0, *size)] * len(sizes), tuple(size), torch.cat(all_boxes),
+                       image_indices, len(images))
+
+
+# --- training targets -------------------------------------------------------------------------------------------
+def pose_heatmap_targets(boxes, keypoints, size: tuple[int, int] = MODEL_SIZE, downscale: int = HEATMAP_DOWNSCALE,
+                         sigma: float = HEATMAP_SIGMA, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """UDP Gaussian heatmaps for training, one row per person (HF `generate_udp_gaussian_heatmaps`).
+
+    boxes: per image, a list of COCO xywh boxes. keypoints: per image, per person, `(K, 3)` `[x, y, visibility]`
+    in image pixels (or `(K, 2)`: all visible). Returns heatmaps `(N, K, H/downscale, W/downscale)` and weights
+    `(N, K)`: 1 for a visible keypoint whose 3-sigma window touches the heatmap, else 0 (its map is all zero).
+    """
+    flat_boxes = [box for image_boxes in boxes for box in image_boxes]
+    flat_keypoints = [person for image_keypoints in keypoints for person in image_keypoints]
+    if len(flat_boxes) != len(flat_keypoints):
+        raise ValueError(f"got {len(flat_boxes)} boxes but keypoints for {len(flat_keypoints)} people")
+    height, width = size[0] // downscale, size[1] // downscale
+    centers, crops = crop_geometry(torch.tensor(flat_boxes, dtype=torch.float32, device=device).reshape(-1, 4), size)
+    people = torch.tensor(np.asarray(flat_keypoints, dtype=np.float32), device=device)  # (N, K, 2 or 3)
+    visible = people[..., 2] > 0 if people.shape[-1] > 2 else torch.ones(people.shape[:2], dtype=torch.bool,
+                                                                              device=device)
+    heatmap_extent = torch.tensor([width - 1, height - 1], dtype=torch.float32, device=device)
+    # image pixels -> heatmap pixels, the inverse of the decoder's mapping
+    mu = ((people[..., :2] - centers[:, None]) / crops[:, None] + 0.5) * heatmap_extent  # (N, K, 2)
+    grid_y = torch.arange(height, dtype=torch.float32, device=device).view(1, 1, -1, 1)
+    grid_x = torch.arange(width, dtype=torch.float32, device=device).view(1, 1, 1, -1)
+    mu_x, mu_y = mu[..., 0, None, None], mu[..., 1, None, None]  # (N, K, 1, 1)
+    heatmaps = torch.exp(-((grid_x - mu_x) ** 2 + (grid_y - mu_y) ** 2) / (2 * sigma**2))
+    # Truncate to the 3-sigma window around the rounded centre; drop keypoints whose window misses the map.
+    # NOTE: `.to(int64)` truncates towards zero (not floor) for negative coordinates, as in HF and mmpose.
+    radius = int(sigma * 3)
+    center_px = (mu + 0.5).to(torch.int64)
+    left, top = center_px[..., 0] - radius, center_px[..., 1] - radius
+    right, bottom = center_px[..., 0] + radius + 1, center_px[..., 1] + radius + 1
+    inside = ~((left >= width) | (top >= height) | (right < 0) | (bottom < 0))
+    weights = (visible & inside).float()
+    window = ((grid_x >= left[..., None, None]) & (grid_x < right[..., None, None])
+              & (grid_y >= top[..., None, None]) & (grid_y < bottom[..., None, None]))
+    return heatmaps * weights[..., None, None] * window, weights
+
+
+def preprocess_segmentation_maps(maps, size: tuple[int, int] = MODEL_SIZE, pad: bool = False,
+                                 reduce_labels: bool = False, resample: str = "nearest", pad_value: int = 0,
+                                 device=None) -> torch.Tensor:
+    """Label maps (`(H, W)` arrays/tensors or PIL "L"/"P" images) -> `(B, H, W)` int64 training targets.
+
+    `reduce_labels`: 0 -> 255 (ignored), every other label minus 1 (HF `do_reduce_labels`, before resizing).
+    `resample="nearest"` (default) keeps labels valid. `resample="hf"` reproduces HF exactly, which resizes label
+    maps with the image filter (antialiased bilinear on uint8), so boundary pixels get blended, invalid ids.
+    `pad`: as `preprocess(pad=True)`; use `pad_value=255` to ignore the padding in the loss (HF pads with 0).
+    """
+    if not isinstance(maps, (list, tuple)):
+        maps = [maps]
+    method = {"nearest": "nearest", "hf": "bilinear_antialias"}.get(resample)
+    if method is None:
+        raise ValueError(f"resample must be 'nearest' or 'hf', got {resample!r}")
+    out = []
+    for label_map in maps:
+        labels = torch.as_tensor(np.array(label_map)) if not isinstance(label_map, torch.Tensor) else label_map
+        labels = labels.to(device) if device is not None else labels
+        if labels.ndim != 2:
+            raise ValueError(f"segmentation map must be (H, W), got shape {tuple(labels.shape)}")
+        if reduce_labels:
+            labels = _reduce_labels(labels)
+        labels = labels if labels.dtype == torch.uint8 else labels.float()  # interpolate has no int64 kernels
+        if pad:
+            top, left, bottom, right = resized_content_box(tuple(labels.shape), size)
+            labels = resize(labels[None], (bottom - top, right - left), method)[0]
+            labels = F.pad(labels, (left, size[1] - right, top, size[0] - bottom), value=pad_value)
+        else:
+            labels = resize(labels[None], size, method)[0]
+        out.append(labels.to(torch.int64))
+    return torch.stack(out)
+
+
+def _reduce_labels(labels: torch.Tensor) -> torch.Tensor:
+    labels = labels.long()
+    return torch.where(labels == 0, 255, torch.where(labels == 255, 255, labels - 1)).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Post-processing: dense maps
+# ----------------------------------------------------------------------------------------------------------------
+def _unpad_and_resize(maps: torch.Tensor, inputs: ModelInputs | None, target_sizes) -> list[torch.Tensor]:
+    """Crop each `(C, H, W)` map to its image content and bilinearly resize (align_corners=False, no
+    antialiasing) to `target_sizes`, else to the source image size when `inputs` is given, else keep it."""
+    count = len(maps)
+    content = inputs.content_boxes if inputs is not None else [(0, 0, *maps.shape[-2:])] * count
+    sizes = [tuple(s) for s in target_sizes] if target_sizes is not None else (
+        inputs.image_sizes if inputs is not None else [tuple(maps.shape[-2:])] * count)
+    if len(content) != count or len(sizes) != count:
+        raise ValueError(f"{count} maps but {len(content)} preprocessed images and {len(sizes)} target sizes")
+    if len(set(content)) == 1 and len(set(sizes)) == 1:  # one batched op for the common case
+        top, left, bottom, right = content[0]
+        return list(_resize_map(maps[:, :, top:bottom, left:right], sizes[0]))
+    return [_resize_map(m[None, :, top:bottom, left:right], s)[0]
+            for m, (top, left, bottom, right), s in zip(maps, content, sizes)]
+
+
+def _resize_map(maps: torch.Tensor, size) -> torch.Tensor:
+    if tuple(maps.shape[-2:]) == tuple(size):
+        return maps
+    return F.interpolate(maps, size=tuple(size), mode="bilinear", align_corners=False, antialias=False)
+
+
+def postprocess_segmentation(logits: torch.Tensor, inputs: ModelInputs | None = None, target_sizes=None,
+                             return_scores: bool = False):
+    """Logits `(B, C, H, W)` -> per image `(h, w)` int64 class maps (HF `post_process_semantic_segmentation`).
+
+    Logits are cropped to the content (if padded) and resized bilinearly to `target_sizes` or the source image
+    size, then argmax. With `return_scores`, each item is `{"segmentation", "scores"}` where scores are the
+    resized logits (HF's `segmentation_scores`).
+    """
+    resized = _unpad_and_resize(logits, inputs, target_sizes)
+    if return_scores:
+        return [{"segmentation": r.argmax(0), "scores": r} for r in resized]
+    return [r.argmax(0) for r in resized]
+
+
+def postprocess_normals(normals: torch.Tensor, inputs: ModelInputs | None = None, target_sizes=None,
+                        renormalize: bool = True) -> list[torch.Tensor]:
+    """Normals `(B, 3, H, W)` -> per image unit normals `(3, h, w)`.
+
+    L2-normalise (eps 1e-8), remove padding, bilinear resize (HF and original order). Bilinear blending
+    shortens vectors, so `renormalize=True` normalises again after the resize (HF and the original do not).
+    """
+    normals = F.normalize(normals.float(), p=2, dim=1, eps=1e-8)
+    resized = _unpad_and_resize(normals, inputs, target_sizes)
+    return [F.normalize(n, p=2, dim=0, eps=1e-8) for n in resized] if renormalize else resized
+
+
+def postprocess_pointmap(pointmaps: torch.Tensor, scales: torch.Tensor | None = None,
+                         inputs: ModelInputs | None = None, target_sizes=None, smooth: bool = False) -> list[dict]:
+    """Pointmaps `(B, 3, H, W)` + scales `(B, 1)` -> per image `{"pointmap": (3, h, w), "depth": (h, w)}`.
+
+    The network predicts XYZ for a canonical camera (focal 768 px); dividing by the predicted scale
+    (= f_canonical / f_actual) gives metric coordinates. Then padding is removed and the map resized
+    bilinearly (HF). `smooth=True` adds the original demo's pre-smoothing: when upsampling, a 3x3 Gaussian
+    (sigma 0.8, reflect border) is applied 4 times before the resize. Depth is the Z channel.
+    """
+    if scales is not None:
+        pointmaps = pointmaps / scales.reshape(-1, 1, 1, 1)
+    if smooth:
+        pointmaps = _smooth_before_upsampling(pointmaps, inputs, target_sizes)
+    return [{"pointmap": p, "depth": p[2]} for p in _unpad_and_resize(pointmaps, inputs, target_sizes)]
+
+
+def _smooth_before_upsampling(pointmaps, inputs, target_sizes):
+    content = inputs.content_boxes if inputs is not None else [(0, 0, *pointmaps.shape[-2:])] * len(pointmaps)
+    sizes = target_sizes or (inputs.image_sizes if inputs is not None else [pointmaps.shape[-2:]] * len(pointmaps))
+    out = []
+    for pointmap, (top, left, bottom, right), size in zip(pointmaps, content, sizes):
+        crop = pointmap[None, :, top:bottom, left:right]
+        if size[0] > crop.shape[-2] or size[1] > crop.shape[-1]:
+            for _ in range(4):
+                crop = gaussian_blur(crop, 3, 0.8, padding="reflect")
+        full = pointmap[None].clone()
+        full[:, :, top:bottom, left:right] = crop
+        out.append(full)
+    return torch.cat(out)
+
+
+def postprocess_albedo(albedo: torch.Tensor, inputs: ModelInputs | None = None, target_sizes=None):
+    """Albedo `(B, 3, H, W)` -> per image RGB in [0, 1]: clamp, remove padding, bilinear resize (original demo;
+    HF has no albedo model)."""
+    return _unpad_and_resize(albedo.clamp(0, 1), inputs, target_sizes)
+
+
+def postprocess_matting(foregrounds: torch.Tensor, alphas: torch.Tensor, target_sizes=None,
+                        background=None) -> list[dict]:
+    """Matting outputs -> per image `{"foreground": (3, h, w), "alpha": (1, h, w), "composite": (3, h, w) uint8}`.
+
+    foreground is premultiplied RGB; composite = `foreground + (1 - alpha) * background`, clamped, as uint8 the
+    way torchvision converts (x * 255.999, truncated). `background`: an (r, g, b) colour in 0..255, one image
+    (any `load_image` input) for all, or a list with one per item; resized bilinearly to the matte.
+    Values are clamped to [0, 1] (HF clamps only when it resizes).
+    """
+    mattes = _unpad_and_resize(torch.cat([foregrounds, alphas], dim=1).float(), None, target_sizes)
+    backgrounds = _matting_backgrounds(background, len(mattes), foregrounds.device)
+    results = []
+    for matte, bg in zip(mattes, backgrounds):
+        matte = matte.clamp(0, 1)
+        foreground, alpha = matte[:3], matte[3:]
+        composite = None
+        if bg is not None:
+            bg = _resize_map(bg[None], matte.shape[-2:])[0] if bg.ndim == 3 else bg.view(3, 1, 1)
+            composite = float_to_uint8((foreground + (1 - alpha) * bg).clamp(0, 1))
+        results.append({"foreground": foreground, "alpha": alpha, "composite": composite})
+    return results
+
+
+def _matting_backgrounds(background, count, device):
+    if background is None:
+        return [None] * count
+    if isinstance(background, (tuple, list)) and len(background) == 3 and all(
+            isinstance(v, (int, float)) for v in background):
+        return [torch.tensor(background, dtype=torch.float32, device=device) / 255] * count
+    images = [load_image(b) for b in background] if isinstance(background, list) else [load_image(background)]
+    if len(images) not in (1, count):
+        raise ValueError(f"{len(images)} backgrounds for {count} mattes; give one or one per matte")
+    # uint8 -> [0, 1] as torchvision's to_dtype(scale=True): x * (1 / 255)
+    images = [image.to(device).float() * (1.0 / 255) for image in images]
+    return images * count if len(images) == 1 else images
+
+
+def float_to_uint8(values: torch.Tensor) -> torch.Tensor:
+    """[0, 1] floats -> uint8 like torchvision `to_dtype(scale=True)`: multiply by 255.999, truncate."""
+    return values.mul(255 + 1.0 - 1e-3).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Post-processing: pose
+# ----------------------------------------------------------------------------------------------------------------
+def flip_heatmaps_back(heatmaps: torch.Tensor) -> torch.Tensor:
+    """Heatmaps predicted for a horizontally flipped crop -> heatmaps of the unflipped crop: mirror the maps and
+    swap left/right keypoints (`flip_indices`). No shift is needed with UDP."""
+    flip_indices = torch.tensor(keypoint_metadata()["flip_indices"], device=heatmaps.device)
+    if heatmaps.shape[1] != len(flip_indices):
+        raise ValueError(f"flip_indices are for {len(flip_indices)} keypoints, heatmaps have {heatmaps.shape[1]}")
+    return heatmaps.flip(-1)[:, flip_indices]
+
+
+def decode_heatmaps(heatmaps: torch.Tensor, blur_kernel_size: int = DARK_BLUR_KERNEL):
+    """Heatmaps `(N, K, H, W)` -> keypoints `(N, K, 2)` (x, y in heatmap pixels) and scores `(N, K)`.
+
+    Argmax (score = unblurred maximum; location -1 when the score is <= 0, left unrefined), then DARK-UDP
+    sub-pixel refinement: blur each map with a Gaussian (zeros outside, sigma from the kernel size as cv2 does),
+    rescale to the original maximum, clamp to [1e-3, 50], log, and take one Newton step
+    `x -= H^-1 g` with finite differences at the argmax. All people and keypoints at once.
+    """
+    heatmaps = heatmaps.float()
+    num_people, num_keypoints, height, width = heatmaps.shape
+    flat = heatmaps.reshape(num_people, num_keypoints, -1)
+    scores, index = flat.amax(dim=-1), flat.argmax(dim=-1)
+    locations = torch.stack([index % width, index // width], dim=-1).float()  # (N, K, 2)
+    valid = scores > 0
+    log_maps = _blurred_log_heatmaps(heatmaps, blur_kernel_size)
+    offset = _newton_offset(log_maps, locations.long())
+    refined = torch.where(valid[..., None], locations - offset, torch.full_like(locations, -1.0))
+    return refined, scores
+
+
+def _blurred_log_heatmaps(heatmaps: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    sigma = 0.3 * ((kernel_size - 1) * 0.5 - 1) + 0.8  # cv2.getGaussianKernel's sigma for sigma=0
+    blurred = gaussian_blur(heatmaps, kernel_size, sigma, padding="zeros")
+    original_max = heatmaps.amax(dim=(2, 3), keepdim=True)
+    blurred_max = blurred.amax(dim=(2, 3), keepdim=True)
+    # Keep the original peak height (the clamp below depends on it); leave all-non-positive maps alone (HF guard).
+    rescale = torch.where(blurred_max > 0, original_max / torch.where(blurred_max > 0, blurred_max, 1.0), 1.0)
+    return (blurred * rescale).clamp(1e-3, 50.0).log()
+
+
+def _newton_offset(log_maps: torch.Tensor, locations: torch.Tensor) -> torch.Tensor:
+    """One Newton step on the log-heatmap at integer `locations` `(N, K, 2)` -> offset `(N, K, 2)`."""
+    num_people, num_keypoints, height, width = log_maps.shape
+    padded = F.pad(log_maps, (1, 1, 1, 1), mode="replicate").flatten(2)  # (N, K, (H+2)(W+2))
+    x = locations[..., 0].clamp(0, width - 1) + 1  # (N, K) in padded coordinates
+    y = locations[..., 1].clamp(0, height - 1) + 1
+
+    def value(dx: int, dy: int) -> torch.Tensor:  # log-heatmap at (x + dx, y + dy), shape (N, K)
+        return padded.gather(2, ((y + dy) * (width + 2) + (x + dx))[..., None])[..., 0]
+
+    center = value(0, 0)
+    right, left, down, up = value(1, 0), value(-1, 0), value(0, 1), value(0, -1)
+    grad_x, grad_y = 0.5 * (right - left), 0.5 * (down - up)
+    hess_xx = right - 2 * center + left
+    hess_yy = down - 2 * center + up
+    hess_xy = 0.5 * (value(1, 1) - right - down + center + center - left - up + value(-1, -1))
+    eps = torch.finfo(log_maps.dtype).eps  # regularises flat maps, as `H + eps I` in the original
+    hess_xx, hess_yy = hess_xx + eps, hess_yy + eps
+    determinant = hess_xx * hess_yy - hess_xy * hess_xy
+    offset_x = (hess_yy * grad_x - hess_xy * grad_y) / determinant
+    offset_y = (-hess_xy * grad_x + hess_xx * grad_y) / determinant
+    return torch.stack([offset_x, offset_y], dim=-1)
+
+
+def heatmap_to_image_coords(keypoints: torch.Tensor, boxes_xywh: torch.Tensor, heatmap_size: tuple[int, int],
+                            size: tuple[int, int] = MODEL_SIZE, padding: float = CROP_PADDING) -> torch.Tensor:
+    """Keypoints `(N, K, 2)` in heatmap pixels -> source-image pixels (UDP: the heatmap's corner pixels map
+    to the crop's edges): `kp / (W_hm - 1, H_hm - 1) * crop + center - crop / 2`."""
+    centers, crops = crop_geometry(boxes_xywh.to(keypoints.device), size, padding)
+    extent = torch.tensor([heatmap_size[1] - 1, heatmap_size[0] - 1], dtype=torch.float32, device=keypoints.device)
+    return keypoints / extent * crops[:, None] + centers[:, None] - 0.5 * crops[:, None]
+
+
+def postprocess_pose(heatmaps: torch.Tensor, boxes, heatmaps_of_flipped_input: torch.Tensor | None = None,
+                     threshold: float | None = None, size: tuple[int, int] | None = None,
+                     target_sizes=None, source_sizes=None,
+                     blur_kernel_size: int = DARK_BLUR_KERNEL) -> list[list[dict]]:
+    """Heatmaps `(N, K, h, w)` of N person crops -> per image, per person
+    `{"keypoints": (k, 2) xy, "scores": (k,), "labels": (k,) keypoint ids, "bbox": (4,) xyxy}` in image pixels.
+
+    boxes: the `ModelInputs` from `preprocess_crops`, or per-image lists of xywh boxes as given to it.
+    heatmaps_of_flipped_input: the raw model output for `pixel_values.flip(-1)`; it is flipped back here
+    (`flip_heatmaps_back`) and averaged in, as the original demo's flip test. (HF's `outputs_flipped` instead
+    expects maps that the model already flipped back.) threshold: keep keypoints with score > threshold.
+    size: model input size, only its aspect matters (default: from `ModelInputs`, else 1024x768).
+    target_sizes: per image `(height, width)` to rescale keypoints and boxes to (e.g. a display size), from
+    `source_sizes` (default: the image sizes recorded in `ModelInputs`).
+    """
+    boxes_xywh, image_indices, num_images = _flatten_boxes(boxes, heatmaps.device)
+    size = size or (boxes.model_size if isinstance(boxes, ModelInputs) else MODEL_SIZE)
+    if len(boxes_xywh) != len(heatmaps):
+        raise ValueError(f"{len(heatmaps)} heatmaps but {len(boxes_xywh)} boxes")
+    if heatmaps_of_flipped_input is not None:
+        heatmaps = (heatmaps + flip_heatmaps_back(heatmaps_of_flipped_input)) / 2
+    keypoints, scores = decode_heatmaps(heatmaps, blur_kernel_size)
+    keypoints = heatmap_to_image_coords(keypoints, boxes_xywh, tuple(heatmaps.shape[-2:]), size)
+    x, y, w, h = boxes_xywh.unbind(-1)
+    boxes_xyxy = torch.stack([x, y, x + w, y + h], dim=-1)
+    if target_sizes is not None:
+        per_person = _rescale_factors(boxes, source_sizes, target_sizes, image_indices, heatmaps.device)  # (N, 2)
+        keypoints, boxes_xyxy = keypoints * per_person[:, None], boxes_xyxy * per_person.repeat(1, 2)
+    labels = torch.arange(heatmaps.shape[1], device=heatmaps.device)
+    results = [[] for _ in range(num_images)]
+    for person, image_index in enumerate(image_indices):
+        keep = scores[person] > threshold if threshold is not None else slice(None)
+        results[image_index].append({"keypoints": keypoints[person][keep], "scores": scores[person][keep],
+                                     "labels": labels[keep], "bbox": boxes_xyxy[person]})
+    return results
+
+
+def _rescale_factors(boxes, source_sizes, target_sizes, image_indices, device) -> torch.Tensor:
+    if source_sizes is None:
+        if not isinstance(boxes, ModelInputs):
+            raise ValueError("target_sizes needs source_sizes (or ModelInputs, which records them)")
+        size_of_image = dict(zip(boxes.image_indices, boxes.image_sizes))
+        # an image without people has no recorded size; its factor is never used
+        source_sizes = [size_of_image.get(i, tuple(t)) for i, t in enumerate(target_sizes)]
+    if len(source_sizes) != len(target_sizes):
+        raise ValueError(f"{len(source_sizes)} source sizes but {len(target_sizes)} target sizes")
+    per_image = torch.tensor([[tw / sw, th / sh] for (sh, sw), (th, tw) in zip(source_sizes, target_sizes)],
+                             dtype=torch.float32, device=device)  # (images, 2) as (x, y) factors
+    return per_image[torch.tensor(image_indices, dtype=torch.long, device=device)]
+
+
+def _flatten_boxes(boxes, device):
+    if isinstance(boxes, ModelInputs):
+        if boxes.boxes is None:
+            raise ValueError("these ModelInputs are not person crops; use preprocess_crops")
+        return boxes.boxes.to(device), boxes.image_indices, boxes.num_images
+    flat = [box for image_boxes in boxes for box in image_boxes]
+    indices = [i for i, image_boxes in enumerate(boxes) for _ in image_boxes]
+    return torch.tensor(flat, dtype=torch.float32, device=device).reshape(-1, 4), indices, len(boxes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Visualization (all return PIL images)
+# ----------------------------------------------------------------------------------------------------------------
+def to_pil(image) -> Image.Image:
+    """`(3, H, W)` uint8 tensor, or anything `load_image` reads -> RGB PIL image."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    return Image.fromarray(load_image(image).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy())
+
+
+def draw_pose(image, people: list[dict], keypoint_set: str = "308", threshold: float = 0.3,
+              radius: int | None = None, thickness: int | None = None) -> Image.Image:
+    """Skeleton over the image with the original colours (links then keypoints; only points with
+    score > threshold, as `kpt_thr` in vis_pose.py). `keypoint_set="coco17"` draws the 17 COCO body keypoints
+    and the links of the 308 skeleton between them. Radius/thickness default to ~0.5% of the image size.
+    """
+    canvas = to_pil(image).copy()
+    draw = ImageDraw.Draw(canvas)
+    radius = radius or max(2, round(min(canvas.size) / 200))
+    thickness = thickness or max(1, radius // 2)
+    links, link_colors, point_ids, point_colors = _skeleton(keypoint_set)
+    for person in people:
+        points = _visible_points(person, threshold)
+        for (a, b), color in zip(links, link_colors):
+            if a in points and b in points:
+                draw.line([points[a], points[b]], fill=tuple(color), width=thickness)
+        for k, color in zip(point_ids, point_colors):
+            if k in points:
+                x, y = points[k]
+                draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=tuple(color))
+    return canvas
+
+
+def _skeleton(keypoint_set: str):
+    meta = keypoint_metadata()
+    links, link_colors = meta["skeleton_links"], meta["skeleton_link_colors"]
+    if keypoint_set == "308":
+        return links, link_colors, range(meta["num_keypoints"]), meta["keypoint_colors"]
+    if keypoint_set == "coco17":
+        subset = set(coco17_indices())
+        kept = [(link, color) for link, color in zip(links, link_colors) if set(link) <= subset]
+        return ([l for l, _ in kept], [c for _, c in kept], coco17_indices(),
+                [meta["keypoint_colors"][k] for k in coco17_indices()])
+    raise ValueError(f"keypoint_set must be '308' or 'coco17', got {keypoint_set!r}")
+
+
+def _visible_points(person: dict, threshold: float) -> dict[int, tuple[float, float]]:
+    keypoints, scores, labels = (person[k].detach().cpu().tolist() for k in ("keypoints", "scores", "labels"))
+    return {int(k): tuple(xy) for k, xy, s in zip(labels, keypoints, scores) if s > threshold}
+
+
+def colorize_segmentation(segmentation: torch.Tensor) -> torch.Tensor:
+    """`(H, W)` class ids -> `(3, H, W)` uint8 palette colours (ids outside the palette are black)."""
+    palette = torch.zeros(256, 3, dtype=torch.uint8, device=segmentation.device)
+    colors = segmentation_metadata()["palette_rgb"]
+    palette[: len(colors)] = torch.tensor(colors, dtype=torch.uint8, device=segmentation.device)
+    return palette[segmentation.long().clamp(0, 255)].permute(2, 0, 1)
+
+
+def overlay_segmentation(image, segmentation: torch.Tensor, opacity: float = 0.5) -> Image.Image:
+    """Palette colours blended over the image, `(1 - opacity) * image + opacity * colour`, rounded
+    (cv2.addWeighted in the original SegVisualizer, opacity 0.5)."""
+    image = load_image(image).float().to(segmentation.device)
+    if image.shape[-2:] != segmentation.shape[-2:]:
+        raise ValueError(f"image is {tuple(image.shape[-2:])} but the segmentation is {tuple(segmentation.shape)}")
+    blended = (1 - opacity) * image + opacity * colorize_segmentation(segmentation).float()
+    return to_pil(blended.round().clamp(0, 255).to(torch.uint8))
+
+
+def foreground_mask(segmentation: torch.Tensor, background_classes: Sequence[int] = (0,)) -> torch.Tensor:
+    """`(H, W)` bool mask of pixels whose class is not background (for masking normal/depth maps)."""
+    background = torch.tensor(list(background_classes), device=segmentation.device)
+    return ~torch.isin(segmentation, background)
+
+
+def normals_to_image(normals: torch.Tensor, mask: torch.Tensor | None = None,
+                     background=(0, 0, 0)) -> Image.Image:
+    """Unit normals `(3, H, W)` -> RGB image `(n + 1) / 2 * 255` (x, y, z -> R, G, B, original vis_normal.py);
+    pixels outside `mask` get the `background` colour."""
+    rgb = ((normals.float() + 1) / 2 * 255).clamp(0, 255).to(torch.uint8)
+    return to_pil(_apply_mask(rgb, mask, background))
+
+
+def depth_to_image(depth: torch.Tensor, mask: torch.Tensor | None = None, background=(0, 0, 0)) -> Image.Image:
+    """Depth `(H, W)` -> turbo-coloured RGB image, near = red, far = blue, min/max over the masked pixels."""
+    valid = torch.isfinite(depth) if mask is None else (mask.bool() & torch.isfinite(depth))
+    if not valid.any():
+        raise ValueError("depth_to_image: no valid depth pixels (mask empty or depth not finite)")
+    near, far = depth[valid].min(), depth[valid].max()
+    closeness = ((far - depth) / (far - near).clamp(min=1e-8)).clamp(0, 1).nan_to_num(0)
+    rgb = turbo_colormap(closeness)
+    return to_pil(_apply_mask(rgb, valid, background))
+
+
+def turbo_colormap(values: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 1] `(H, W)` -> `(3, H, W)` uint8 Turbo colours (blue -> green -> yellow -> red)."""
+    anchors = torch.tensor(TURBO_ANCHORS, dtype=torch.float32, device=values.device)  # (33, 3)
+    position = values.float().clamp(0, 1).nan_to_num(0) * (len(TURBO_ANCHORS) - 1)
+    low = position.floor().long().clamp(max=len(TURBO_ANCHORS) - 2)
+    fraction = (position - low)[..., None]
+    rgb = anchors[low] * (1 - fraction) + anchors[low + 1] * fraction  # (H, W, 3), linear between anchors
+    return rgb.round().to(torch.uint8).permute(2, 0, 1)
+
+
+# Turbo (Mikhailov 2019, Google, Apache-2.0) sampled at 33 evenly spaced points of its published 256-entry
+# table; linear interpolation between them reproduces every table entry to within 2 grey levels.
+TURBO_ANCHORS = (
+    (48, 18, 59), (57, 42, 115), (64, 64, 161), (68, 86, 199), (70, 107, 227), (70, 127, 246), (66, 147, 255),
+    (55, 167, 250), (41, 187, 236), (29, 205, 216), (24, 220, 195), (30, 232, 176), (49, 242, 153),
+    (76, 249, 126), (107, 253, 100), (138, 255, 77), (163, 253, 60), (184, 247, 53), (204, 237, 52),
+    (222, 224, 55), (237, 208, 58), (248, 192, 58), (253, 174, 53), (254, 152, 44), (251, 128, 34),
+    (245, 104, 23), (236, 82, 15), (224, 64, 9), (210, 49, 5), (192, 35, 2), (172, 23, 1), (149, 13, 1),
+    (122, 4, 3),
+)
+
+
+def _apply_mask(rgb: torch.Tensor, mask: torch.Tensor | None, background) -> torch.Tensor:
+    if mask is None:
+        return rgb
+    fill = torch.tensor(background, dtype=torch.uint8, device=rgb.device).view(3, 1, 1)
+    return torch.where(mask.bool().to(rgb.device), rgb, fill)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------------------------
+WHOLEBODY_PARTS = {"keypoints": (0, 17), "foot_kpts": (17, 23), "face_kpts": (23, 91),
+                   "lefthand_kpts": (91, 112), "righthand_kpts": (112, 133)}  # COCO-WholeBody's 133 keypoints
+
+
+def pose_to_coco(results: list[list[dict]], image_ids: Sequence[int], keypoint_format: str = "keypoints308",
+                 category_id: int = 1, score_threshold: float = 0.2) -> list[dict]:
+    """Pose results -> COCO keypoint-detection results (JSON-serialisable list of dicts).
+
+    keypoint_format: "keypoints308" (all 308), "coco17" (COCO body), or "coco_wholebody" (133 keypoints split
+    into keypoints / foot_kpts / face_kpts / lefthand_kpts / righthand_kpts as the COCO-WholeBody evaluator
+    reads them). Each keypoint is `[x, y, score]`; keypoints the 308 set lacks (most of the 68 WholeBody face
+    points) or that were thresholded away are `[0, 0, 0]`. The person score is the mean of the keypoint scores
+    above `score_threshold` (mmpose's rescoring without a detector score); bbox is xywh.
+    """
+    if len(image_ids) != len(results):
+        raise ValueError(f"{len(results)} images of results but {len(image_ids)} image ids")
+    source_ids = _export_indices(keypoint_format)
+    entries = []
+    for image_id, people in zip(image_ids, results):
+        for person in people:
+            table = _full_keypoint_table(person)  # (308, 3)
+            picked = [table[i] if i >= 0 else [0.0, 0.0, 0.0] for i in source_ids]
+            scores = [s for _, _, s in picked if s > score_threshold]
+            x0, y0, x1, y1 = person["bbox"].tolist()
+            entry = {"image_id": image_id, "category_id": category_id, "bbox": [x0, y0, x1 - x0, y1 - y0],
+                     "score": float(sum(scores) / len(scores)) if scores else 0.0}
+            if keypoint_format == "coco_wholebody":
+                for name, (start, stop) in WHOLEBODY_PARTS.items():
+                    entry[name] = [v for point in picked[start:stop] for v in point]
+            else:
+                entry["keypoints"] = [v for point in picked for v in point]
+            entries.append(entry)
+    return entries
+
+
+def _export_indices(keypoint_format: str) -> list[int]:
+    """For each exported keypoint, its index among the 308 (-1 where the 308 set has no such point)."""
+    if keypoint_format == "keypoints308":
+        return list(range(keypoint_metadata()["num_keypoints"]))
+    if keypoint_format == "coco17":
+        return list(coco17_indices())
+    if keypoint_format == "coco_wholebody":
+        mapping = dict(keypoint_metadata()["coco_wholebody_to_keypoints308"])
+        return [mapping.get(i, -1) for i in range(133)]
+    raise ValueError(f"keypoint_format must be 'keypoints308', 'coco17' or 'coco_wholebody', got {keypoint_format!r}")
+
+
+def _full_keypoint_table(person: dict) -> list[list[float]]:
+    table = [[0.0, 0.0, 0.0] for _ in range(keypoint_metadata()["num_keypoints"])]
+    for k, (x, y), s in zip(person["labels"].tolist(), person["keypoints"].tolist(), person["scores"].tolist()):
+        table[k] = [x, y, s]
+    return table
