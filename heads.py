@@ -24,33 +24,18 @@ Losses are plain functions at the end of this file, following the original train
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields, replace
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metadata import flip_heatmaps_back, flip_pairs, segmentation_metadata
 from sapiens2 import Sapiens2, Sapiens2Config
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
 TASKS = ("pose", "seg", "normal", "pointmap", "albedo", "matting")
 TRANSPOSED_CONV_TASKS = ("pose", "seg")
 CANONICAL_FOCAL = 768.0  # pointmaps are predicted for a camera with this focal length (network pixels)
-
-
-@lru_cache(maxsize=None)
-def keypoints308() -> dict:
-    """Names, flip indices, skeleton and colours of the 308 keypoints (data/keypoints308.json)."""
-    return json.loads((DATA_DIR / "keypoints308.json").read_text())
-
-
-@lru_cache(maxsize=None)
-def seg29() -> dict:
-    """Names, palette and training class weights of the 29 body-part classes (data/seg29.json)."""
-    return json.loads((DATA_DIR / "seg29.json").read_text())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,21 +328,8 @@ class Sapiens2ForPose(Sapiens2ForTask):
     def flip_test(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The original's test-time augmentation: mean of the heatmaps of the image and of its mirror."""
         plain = self(pixel_values).heatmaps
-        mirrored = self(pixel_values.flip(-1), flip_pairs=default_flip_pairs(plain.device)).heatmaps
+        mirrored = self(pixel_values.flip(-1), flip_pairs=flip_pairs(plain.device)).heatmaps
         return (plain + mirrored) / 2
-
-
-def default_flip_pairs(device=None) -> torch.Tensor:
-    """(146, 2) left/right pairs of the 308 keypoints."""
-    return torch.tensor(keypoints308()["flip_pairs"], device=device)
-
-
-def flip_heatmaps_back(heatmaps: torch.Tensor, flip_pairs: torch.Tensor) -> torch.Tensor:
-    """Heatmaps of a mirrored image -> heatmaps of the image: swap left/right channels, mirror x."""
-    flip_pairs = torch.as_tensor(flip_pairs, device=heatmaps.device)
-    order = torch.arange(heatmaps.shape[1], device=heatmaps.device)
-    order[flip_pairs[:, 0]], order[flip_pairs[:, 1]] = flip_pairs[:, 1], flip_pairs[:, 0]
-    return heatmaps[:, order].flip(-1)
 
 
 class Sapiens2ForSegmentation(Sapiens2ForTask):
@@ -504,8 +476,8 @@ def seg_dice_loss(logits, labels, ignore_index: int = 255, eps: float = 1e-3):
 
 def seg_loss(logits, labels, class_weights=None):
     """The released configs' loss: weighted CE (the 29 training class weights by default) + Dice."""
-    if class_weights is None and logits.shape[1] == len(seg29()["train_class_weights"]):
-        class_weights = torch.tensor(seg29()["train_class_weights"], device=logits.device)
+    if class_weights is None and logits.shape[1] == len(segmentation_metadata()["train_class_weights"]):
+        class_weights = torch.tensor(segmentation_metadata()["train_class_weights"], device=logits.device)
     return seg_cross_entropy(logits, labels, class_weights) + seg_dice_loss(logits, labels)
 
 

@@ -22,7 +22,6 @@ Metadata (skeleton, colours, flip indices, palette) is read from `data/keypoints
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
-DATA_DIR = Path(__file__).parent / "data"
+from metadata import flip_heatmaps_back, keypoint_metadata, segmentation_metadata  # noqa: F401 (re-exported)
+
 MODEL_SIZE = (1024, 768)  # (height, width) the released checkpoints were trained at
 PATCH_SIZE = 16
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -48,18 +48,6 @@ DARK_BLUR_KERNEL = 11  # cv2.GaussianBlur(k=11, sigma=0) in the original UDP dec
 # ----------------------------------------------------------------------------------------------------------------
 # Metadata
 # ----------------------------------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def keypoint_metadata() -> dict:
-    """The 308-keypoint metadata: names, colours (RGB), skeleton, flip indices, COCO-WholeBody mapping."""
-    return json.loads((DATA_DIR / "keypoints308.json").read_text())
-
-
-@lru_cache(maxsize=None)
-def segmentation_metadata() -> dict:
-    """The 29-class body-part metadata: class names and RGB palette."""
-    return json.loads((DATA_DIR / "seg29.json").read_text())
-
-
 @lru_cache(maxsize=None)
 def coco17_indices() -> tuple[int, ...]:
     """Indices into the 308 keypoints of the 17 COCO body keypoints, in COCO order (wrists are 62 and 41)."""
@@ -663,15 +651,6 @@ def float_to_uint8(values: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # Post-processing: pose
 # ----------------------------------------------------------------------------------------------------------------
-def flip_heatmaps_back(heatmaps: torch.Tensor) -> torch.Tensor:
-    """Heatmaps predicted for a horizontally flipped crop -> heatmaps of the unflipped crop: mirror the maps and
-    swap left/right keypoints (`flip_indices`). No shift is needed with UDP."""
-    flip_indices = torch.tensor(keypoint_metadata()["flip_indices"], device=heatmaps.device)
-    if heatmaps.shape[1] != len(flip_indices):
-        raise ValueError(f"flip_indices are for {len(flip_indices)} keypoints, heatmaps have {heatmaps.shape[1]}")
-    return heatmaps.flip(-1)[:, flip_indices]
-
-
 def decode_heatmaps(heatmaps: torch.Tensor, blur_kernel_size: int = DARK_BLUR_KERNEL):
     """Heatmaps `(N, K, H, W)` -> keypoints `(N, K, 2)` (x, y in heatmap pixels) and scores `(N, K)`.
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import heads
+import metadata
 import weights
 from conftest import rel_err
 
@@ -123,7 +124,7 @@ def test_pose_flip_back_and_loss_match_transformers(tmp_path):
     hf, (H, W) = make_hf_task_model("pose", tmp_path)
     ours = weights.load(tmp_path, rope_dtype="float32")
     x = torch.randn(2, 3, H, W)
-    pairs = heads.default_flip_pairs()
+    pairs = metadata.flip_pairs()
     labels = torch.rand(2, 308, H // 4, W // 4)
     visibility = (torch.rand(2, 308) > 0.3).float()
     with torch.no_grad():
@@ -336,10 +337,10 @@ def test_pointmap_loss_needs_scales_or_intrinsics_and_right_size():
 
 
 def test_metadata_is_stored_once():
-    kp, seg = heads.keypoints308(), heads.seg29()
+    kp, seg = metadata.keypoint_metadata(), metadata.segmentation_metadata()
     assert len(kp["keypoint_names"]) == 308 and len(kp["flip_pairs"]) == 146
     assert len(seg["class_names"]) == 29 and len(seg["palette_rgb"]) == 29 and len(seg["train_class_weights"]) == 29
-    pairs = heads.default_flip_pairs()
+    pairs = metadata.flip_pairs()
     order = torch.arange(308)
     order[pairs[:, 0]], order[pairs[:, 1]] = pairs[:, 1], pairs[:, 0]
     assert order.tolist() == kp["flip_indices"]
