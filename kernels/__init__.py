@@ -4,8 +4,8 @@
     attention(q, k, v, scale)                               non-causal GQA attention
 
 Each public function dispatches between its reference (`*_reference`, the definition, used on CPU) and a
-Triton implementation (on CUDA, when one exists and triton imports). `SAPIENS2_KERNELS=torch|triton|auto`
-overrides the choice.
+Triton implementation (on CUDA, when one exists and triton imports; kernels/*_triton.py, imported on first
+use only). `SAPIENS2_KERNELS=torch|triton|auto` overrides the choice. See kernels/README.md.
 
 NOTE: keep this file import-light and side-effect free, and never define `__version__` here.
 transformers probes for the Hugging Face hub package that is also called `kernels`; when it finds no

@@ -28,8 +28,12 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-# Set by the Triton implementation when it lands (kernels issue); None means "reference only".
-_attention_triton = None
+def _attention_triton(q, k, v, scale):
+    """The Triton implementation (kernels/attention_triton.py), imported on first use so that
+    `import kernels` never imports triton. Setting this hook to None means "reference only"."""
+    from .attention_triton import attention_triton
+
+    return attention_triton(q, k, v, scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

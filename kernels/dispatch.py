@@ -28,6 +28,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def use_triton(op_name: str, has_triton_version: bool, *tensors: torch.Tensor) -> bool:
     """True when `op_name` should run its Triton implementation on these tensors."""
     choice = requested_backend()
@@ -38,5 +43,8 @@ def use_triton(op_name: str, has_triton_version: bool, *tensors: torch.Tensor) -
             raise RuntimeError(f"SAPIENS2_KERNELS=triton, but {op_name} has no Triton implementation yet")
         if not triton_available():
             raise RuntimeError(f"SAPIENS2_KERNELS=triton, but triton does not import (needed for {op_name})")
+        if not all(t.is_cuda for t in tensors) and not interpreting():
+            raise RuntimeError(f"SAPIENS2_KERNELS=triton with CPU tensors ({op_name}) needs TRITON_INTERPRET=1 "
+                               "in the environment before triton is first imported")
         return True
     return has_triton_version and triton_available() and all(t.is_cuda for t in tensors)

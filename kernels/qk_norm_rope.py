@@ -57,8 +57,12 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6
     return q, k
 
 
-# Set by the Triton implementation when it lands (kernels issue); None means "reference only".
-_qk_norm_rope_triton = None
+def _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps):
+    """The Triton implementation (kernels/qk_norm_rope_triton.py), imported on first use so that
+    `import kernels` never imports triton. Setting this hook to None means "reference only"."""
+    from .qk_norm_rope_triton import qk_norm_rope_triton
+
+    return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):

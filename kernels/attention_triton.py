@@ -1,0 +1,546 @@
+"""Triton flash attention (non-causal, GQA), forward and backward.
+
+Imported lazily by kernels/attention.py (never at `import kernels` time). The definition is
+`attention_reference`:  o[b, h] = softmax(q[b, h] @ k[b, g]^T * scale) @ v[b, g],  g = h // (Hq / Hkv).
+
+Forward (FlashAttention-2 online softmax, base 2): one program owns BLOCK_M query rows of one (b, h) and
+streams the N keys/values of head g in BLOCK_N tiles, keeping a running max m, a running sum l and an fp32
+accumulator; it writes o = acc / l and the log-sum-exp lse = m + log2(l) (base 2, scaled) for the backward.
+    * GQA: the program reads key/value head g = h // r directly; K/V are never repeated in memory, and the r
+      query heads of one group are neighbours in the grid so their K/V tiles are shared through L2.
+    * Ragged N: the key loop runs over the full tiles without any masking, then one masked tail tile
+      (scores of keys >= N set to -inf). Query rows >= N are computed on zeros and never stored.
+    * Head dims that are not a power of two (80 in 0.8b, 76 in 5b) are NOT padded to 128: D is split into
+      a power-of-two chunk D0 <= D plus a second chunk D1 = next_pow2(D - D0) >= 16 (80 = 64 + 16,
+      76 = 64 + 16 with 12 columns masked, 96 = 64 + 32), each with its own tl.dot, so the MMA work is
+      D0 + D1 instead of next_pow2(D) (80 vs 128 columns: 37.5% less).
+    * Precision: tl.dot accumulates in fp32; P (and dS in the backward) is rounded to the input dtype for
+      its matmul, as in FlashAttention. fp32 inputs use 3xTF32 dots on CUDA (about fp32 accuracy on the
+      tensor cores; plain tf32 when torch.backends.cuda.matmul.allow_tf32 is set) and exact fp32 dots in
+      the interpreter.
+    * Output layout: o is (B, N, Hq, D)-contiguous memory viewed as (B, Hq, N, D), so the model's
+      `o.transpose(1, 2).reshape(B, N, Hq * D)` is free.
+Backward (FlashAttention-2, no atomics, deterministic): delta = rowsum(dO * O) (a small kernel); a dK/dV
+kernel with one program per BLOCK_N keys of one (b, g) that loops over the r query heads of its group and
+all query tiles (so GQA's sum over the group happens in registers); and a dQ kernel with one program per
+BLOCK_M queries that loops over the keys. P is recomputed from q, k and the saved lse.
+
+Limits: D in [16, 256]; q, k, v of one dtype among fp16, bf16, fp32; any strides (a unit stride on D
+is what makes the loads fast); Hq % Hkv == 0.
+Block sizes: autotuned on CUDA (key: N, B * Hq, D, dtype) over configurations chosen for Hopper (H100/H200:
+128 x 64 and 128 x 128 tiles with 8 warps for big grids, 64-row tiles when B * Hq * cdiv(N, 128) leaves
+SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTERPRET=1).
+Not done here (see bench/gpu_check.sh): TMA tensor descriptors and warp specialization. The (B, N, H, D)
+layout with D = 76 puts odd heads at addresses that are not 16-byte aligned, which TMA requires, so a TMA
+path needs its own dispatch; it is left for a session with a GPU to validate it.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST_DOT (set only when interpreting on CPU) widens the operands to
+    fp32 first: the Triton interpreter multiplies bf16 operands as their raw 16-bit integers. Products of
+    bf16/fp16 values are exact in fp32, so this computes what the tensor cores compute."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attn_fwd_tile(
+    acc0, acc1, m_i, l_i,  # running state: (BLOCK_M, D0), (BLOCK_M, D1) fp32 accumulators; (BLOCK_M,) max, sum
+    q0, q1,  # (BLOCK_M, D0), (BLOCK_M, D1) query chunks
+    k_base, v_base,  # key/value head g of this batch element
+    start_n, N, skn, skd, svn, svd, qk_scale,  # qk_scale = scale * log2(e)
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,  # D1 == 0: no second chunk
+    BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One BLOCK_N tile of keys/values folded into the online softmax."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d0 = tl.arange(0, D0)
+    mask_n = offs_n < N
+    # K^T chunk (D0, BLOCK_N) and V chunk (BLOCK_N, D0); the D0 chunk needs no column mask.
+    kt_ptrs = k_base + offs_n[None, :] * skn + offs_d0[:, None] * skd
+    v_ptrs = v_base + offs_n[:, None] * svn + offs_d0[None, :] * svd
+    if MASK_N:
+        kt0 = tl.load(kt_ptrs, mask=mask_n[None, :], other=0.0)
+        v0 = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+    else:
+        kt0 = tl.load(kt_ptrs)
+        v0 = tl.load(v_ptrs)
+    s = _dot(q0, kt0, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N) fp32
+    if D1 > 0:
+        offs_d1 = D0 + tl.arange(0, D1)
+        mask_d1 = offs_d1 < HEAD_DIM
+        kt1 = tl.load(k_base + offs_n[None, :] * skn + offs_d1[:, None] * skd,
+                      mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
+        v1 = tl.load(v_base + offs_n[:, None] * svn + offs_d1[None, :] * svd,
+                     mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
+        s += _dot(q1, kt1, DOT_PRECISION, UPCAST_DOT)
+    if MASK_N:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: every tile holds at least one key < N
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v0.dtype)
+    acc0 = acc0 * alpha[:, None] + _dot(p, v0, DOT_PRECISION, UPCAST_DOT)
+    if D1 > 0:
+        acc1 = acc1 * alpha[:, None] + _dot(p, v1, DOT_PRECISION, UPCAST_DOT)
+    return acc0, acc1, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, N, D) x2, any strides
+    o_ptr,  # (B, Hq, N, D) output, any strides (the launcher makes it (B, N, Hq, D)-contiguous)
+    lse_ptr,  # (B * Hq, N) fp32: base-2 log-sum-exp of the scaled scores, for the backward
+    N, HQ, GROUP, qk_scale,  # GROUP = Hq / Hkv
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+    BH,  # B * Hq; only an autotuning key
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_M), B * Hq); axis 0 fastest, so all query tiles of one head run together."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    g = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d0 = tl.arange(0, D0)
+    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)  # a dummy 16 when there is no second chunk
+    mask_m = offs_m < N
+    mask_d1 = offs_d1 < HEAD_DIM
+
+    q_rows = q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn
+    q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)
+    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    if D1 > 0:
+        q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
+        acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+    else:
+        q1 = q0  # unused
+        acc1 = acc0  # unused
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    k_base = k_ptr + b * skb + g * skh
+    v_base = v_ptr + b * svb + g * svh
+    n_full = (N // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        acc0, acc1, m_i, l_i = _attn_fwd_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, start_n, N,
+                                              skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N,
+                                              False, DOT_PRECISION, UPCAST_DOT)
+    if n_full < N:
+        acc0, acc1, m_i, l_i = _attn_fwd_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, n_full, N,
+                                              skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N,
+                                              True, DOT_PRECISION, UPCAST_DOT)
+
+    inv_l = 1.0 / l_i
+    o_rows = o_ptr + b * sob + h * soh + offs_m[:, None] * son
+    o_dtype = o_ptr.dtype.element_ty
+    tl.store(o_rows + offs_d0[None, :] * sod, (acc0 * inv_l[:, None]).to(o_dtype), mask=mask_m[:, None])
+    if D1 > 0:
+        tl.store(o_rows + offs_d1[None, :] * sod, (acc1 * inv_l[:, None]).to(o_dtype),
+                 mask=mask_m[:, None] & mask_d1[None, :])
+    tl.store(lse_ptr + bh * N + offs_m, m_i + tl.math.log2(l_i), mask=mask_m)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(
+    o_ptr, do_ptr,  # (B, Hq, N, D), any strides
+    delta_ptr,  # (B * Hq, N) fp32 output: rowsum(dO * O)
+    N, HQ, sob, soh, son, sod, sgb, sgh, sgn, sgd,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod, mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :] * sgd, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(delta_ptr + bh * N + offs_m, delta, mask=offs_m < N)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides
+    dk_ptr, dv_ptr,  # (B, Hkv, N, D) outputs, any strides
+    lse_ptr, delta_ptr,  # (B * Hq, N) fp32 from the forward and the delta kernel
+    N, HQ, HKV, GROUP, scale, qk_scale,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    BH,  # B * Hkv; only an autotuning key
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), B * Hkv): BLOCK_N keys of one (b, g), summed over the GROUP query heads of g.
+
+    Transposed formulation (rows = keys): pT = exp2(k q^T * qk_scale - lse), dV += pT dO,
+    dpT = v dO^T, dsT = pT * (dpT - delta), dK += dsT q (times scale at the end).
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    bg = tl.program_id(1)
+    b = bg // HKV
+    g = bg % HKV
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d0 = tl.arange(0, D0)
+    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
+    mask_n = offs_n < N
+    mask_d1 = offs_d1 < HEAD_DIM
+
+    k_rows = k_ptr + b * skb + g * skh + offs_n[:, None] * skn
+    v_rows = v_ptr + b * svb + g * svh + offs_n[:, None] * svn
+    k0 = tl.load(k_rows + offs_d0[None, :] * skd, mask=mask_n[:, None], other=0.0)  # (BLOCK_N, D0)
+    v0 = tl.load(v_rows + offs_d0[None, :] * svd, mask=mask_n[:, None], other=0.0)
+    dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    if D1 > 0:
+        k1 = tl.load(k_rows + offs_d1[None, :] * skd, mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
+        v1 = tl.load(v_rows + offs_d1[None, :] * svd, mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
+        dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
+        dv1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
+    else:  # unused placeholders
+        k1 = k0
+        v1 = v0
+        dk1 = dk0
+        dv1 = dv0
+
+    for i in range(0, GROUP * tl.cdiv(N, BLOCK_M)):  # (query head of the group, query tile) pairs
+        h = g * GROUP + i // tl.cdiv(N, BLOCK_M)
+        offs_m = (i % tl.cdiv(N, BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < N
+        q_rows = q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn
+        do_rows = do_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn
+        q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)  # (BLOCK_M, D0)
+        do0 = tl.load(do_rows + offs_d0[None, :] * sgd, mask=mask_m[:, None], other=0.0)
+        # Rows >= N get lse = +inf, hence p = 0: they add nothing.
+        lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=float("inf"))
+        delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=0.0)
+
+        qkT = _dot(k0, tl.trans(q0), DOT_PRECISION, UPCAST_DOT)  # (BLOCK_N, BLOCK_M)
+        if D1 > 0:
+            q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
+            do1 = tl.load(do_rows + offs_d1[None, :] * sgd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
+            qkT += _dot(k1, tl.trans(q1), DOT_PRECISION, UPCAST_DOT)
+        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+        dv0 += _dot(pT.to(do0.dtype), do0, DOT_PRECISION, UPCAST_DOT)
+        dpT = _dot(v0, tl.trans(do0), DOT_PRECISION, UPCAST_DOT)
+        if D1 > 0:
+            dv1 += _dot(pT.to(do1.dtype), do1, DOT_PRECISION, UPCAST_DOT)
+            dpT += _dot(v1, tl.trans(do1), DOT_PRECISION, UPCAST_DOT)
+        dsT = (pT * (dpT - delta[None, :])).to(q0.dtype)
+        dk0 += _dot(dsT, q0, DOT_PRECISION, UPCAST_DOT)
+        if D1 > 0:
+            dk1 += _dot(dsT, q1, DOT_PRECISION, UPCAST_DOT)
+
+    dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
+    dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
+    dk_dtype = dk_ptr.dtype.element_ty
+    dv_dtype = dv_ptr.dtype.element_ty
+    tl.store(dk_rows + offs_d0[None, :] * sdkd, (dk0 * scale).to(dk_dtype), mask=mask_n[:, None])
+    tl.store(dv_rows + offs_d0[None, :] * sdvd, dv0.to(dv_dtype), mask=mask_n[:, None])
+    if D1 > 0:
+        tl.store(dk_rows + offs_d1[None, :] * sdkd, (dk1 * scale).to(dk_dtype),
+                 mask=mask_n[:, None] & mask_d1[None, :])
+        tl.store(dv_rows + offs_d1[None, :] * sdvd, dv1.to(dv_dtype), mask=mask_n[:, None] & mask_d1[None, :])
+
+
+@triton.jit
+def _attn_bwd_dq_tile(
+    dq0, dq1, q0, q1, do0, do1, lse, delta,  # this program's state and query-side tiles
+    k_base, v_base, start_n, N, skn, skd, svn, svd, qk_scale,
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d0 = tl.arange(0, D0)
+    mask_n = offs_n < N
+    k_ptrs = k_base + offs_n[:, None] * skn + offs_d0[None, :] * skd
+    vt_ptrs = v_base + offs_n[None, :] * svn + offs_d0[:, None] * svd
+    if MASK_N:
+        k0 = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)  # (BLOCK_N, D0)
+        vt0 = tl.load(vt_ptrs, mask=mask_n[None, :], other=0.0)  # (D0, BLOCK_N)
+    else:
+        k0 = tl.load(k_ptrs)
+        vt0 = tl.load(vt_ptrs)
+    s = _dot(q0, tl.trans(k0), DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N)
+    dp = _dot(do0, vt0, DOT_PRECISION, UPCAST_DOT)
+    if D1 > 0:
+        offs_d1 = D0 + tl.arange(0, D1)
+        mask_d1 = offs_d1 < HEAD_DIM
+        k1 = tl.load(k_base + offs_n[:, None] * skn + offs_d1[None, :] * skd,
+                     mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
+        vt1 = tl.load(v_base + offs_n[None, :] * svn + offs_d1[:, None] * svd,
+                      mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
+        s += _dot(q1, tl.trans(k1), DOT_PRECISION, UPCAST_DOT)
+        dp += _dot(do1, vt1, DOT_PRECISION, UPCAST_DOT)
+    p = tl.math.exp2(s * qk_scale - lse[:, None])
+    if MASK_N:
+        p = tl.where(mask_n[None, :], p, 0.0)
+    ds = (p * (dp - delta[:, None])).to(k0.dtype)
+    dq0 += _dot(ds, k0, DOT_PRECISION, UPCAST_DOT)
+    if D1 > 0:
+        dq1 += _dot(ds, k1, DOT_PRECISION, UPCAST_DOT)
+    return dq0, dq1
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides
+    dq_ptr,  # (B, Hq, N, D) output, any strides
+    lse_ptr, delta_ptr,  # (B * Hq, N) fp32
+    N, HQ, GROUP, scale, qk_scale,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
+    sdqb, sdqh, sdqn, sdqd,
+    BH,  # B * Hq; only an autotuning key
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_M), B * Hq): dQ = scale * sum over key tiles of (P * (dP - delta)) K."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    g = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d0 = tl.arange(0, D0)
+    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
+    mask_m = offs_m < N
+    mask_d1 = offs_d1 < HEAD_DIM
+
+    q_rows = q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn
+    do_rows = do_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn
+    q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)
+    do0 = tl.load(do_rows + offs_d0[None, :] * sgd, mask=mask_m[:, None], other=0.0)
+    dq0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    if D1 > 0:
+        q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
+        do1 = tl.load(do_rows + offs_d1[None, :] * sgd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
+        dq1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+    else:  # unused placeholders
+        q1 = q0
+        do1 = do0
+        dq1 = dq0
+    lse = tl.load(lse_ptr + bh * N + offs_m, mask=mask_m, other=float("inf"))
+    delta = tl.load(delta_ptr + bh * N + offs_m, mask=mask_m, other=0.0)
+
+    k_base = k_ptr + b * skb + g * skh
+    v_base = v_ptr + b * svb + g * svh
+    n_full = (N // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        dq0, dq1 = _attn_bwd_dq_tile(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, start_n, N,
+                                     skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N, False,
+                                     DOT_PRECISION, UPCAST_DOT)
+    if n_full < N:
+        dq0, dq1 = _attn_bwd_dq_tile(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, n_full, N,
+                                     skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N, True,
+                                     DOT_PRECISION, UPCAST_DOT)
+
+    dq_rows = dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqn
+    dq_dtype = dq_ptr.dtype.element_ty
+    tl.store(dq_rows + offs_d0[None, :] * sdqd, (dq0 * scale).to(dq_dtype), mask=mask_m[:, None])
+    if D1 > 0:
+        tl.store(dq_rows + offs_d1[None, :] * sdqd, (dq1 * scale).to(dq_dtype),
+                 mask=mask_m[:, None] & mask_d1[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block-size choice: autotuned on CUDA, fixed when interpreting
+# ----------------------------------------------------------------------------------------------------
+
+
+def _configs(shapes):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+# (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
+# wgmma) when the grid is large, 64-row tiles to fill the 132 SMs at batch 1.
+# (ptxas for sm_90a, run on CPU: all of them compile to wgmma without register spills at D = 64 and 80, except
+# a few bytes in the 4-warp backward tiles at D = 80; 128 x 64 with 4 warps spilled and is not listed.)
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4),
+                         (64, 64, 4, 4), (64, 128, 4, 3)])
+_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)])
+# fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
+# stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
+_FWD_CONFIGS_FP32 = _configs([(128, 32, 8, 2), (64, 32, 4, 2)])
+_DKDV_CONFIGS_FP32 = _configs([(16, 64, 4, 2), (32, 64, 8, 2)])
+_DQ_CONFIGS_FP32 = _configs([(64, 16, 4, 2), (64, 32, 8, 2)])
+_KEY = ["N", "BH", "HEAD_DIM"]
+
+_TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
+    ("fwd", False): triton.autotune(_FWD_CONFIGS, key=_KEY)(_attn_fwd_kernel),
+    ("dkdv", False): triton.autotune(_DKDV_CONFIGS, key=_KEY)(_attn_bwd_dkdv_kernel),
+    ("dq", False): triton.autotune(_DQ_CONFIGS, key=_KEY)(_attn_bwd_dq_kernel),
+    ("fwd", True): triton.autotune(_FWD_CONFIGS_FP32, key=_KEY)(_attn_fwd_kernel),
+    ("dkdv", True): triton.autotune(_DKDV_CONFIGS_FP32, key=_KEY)(_attn_bwd_dkdv_kernel),
+    ("dq", True): triton.autotune(_DQ_CONFIGS_FP32, key=_KEY)(_attn_bwd_dq_kernel),
+}
+
+# Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
+INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _launch(kernel, name, grid, args, consts, blocks):
+    """Run the autotuned `name` kernel on CUDA unless `blocks` fixes the tiles; the plain kernel otherwise."""
+    if blocks is None and args[0].is_cuda:
+        tuned = _TUNED[name, args[0].dtype == torch.float32]
+        tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+    else:
+        blocks = blocks or INTERPRET_BLOCKS
+        kernel[grid(blocks["BLOCK_M"], blocks["BLOCK_N"])](
+            *args, **consts, BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"],
+            num_warps=blocks.get("num_warps", 4), num_stages=blocks.get("num_stages", 2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _head_dim_chunks(head_dim: int):
+    """D = D0 + (D - D0) with D0 the largest power of two <= D; D1 = the padded second chunk (0: none)."""
+    d0 = 1 << (head_dim.bit_length() - 1)
+    rest = head_dim - d0
+    d1 = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
+    return d0, d1
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    """fp32 on CUDA: "tf32x3" (three tf32 MMAs, about fp32 accuracy; an "ieee" fp32 dot has no tensor-core
+    path and spills registers at these tile sizes), or plain "tf32" when the user allowed tf32 matmuls.
+    Interpreter: "ieee" (exact)."""
+    if q.dtype != torch.float32:
+        return "tf32"  # ignored for fp16/bf16 operands
+    if not q.is_cuda:
+        return "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+
+
+def _check(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (B, H, N, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, HQ, N, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (N, D):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B={B}, Hkv, N={N}, D={D})")
+    if HQ % k.shape[1]:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not 16 <= D <= 256:
+        raise ValueError(f"head dim {D} is outside the supported [16, 256]")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise TypeError(f"q, k, v must share a dtype among {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def _empty_bnhd(shape, dtype, device) -> torch.Tensor:
+    """An uninitialized (B, H, N, D) tensor whose memory is (B, N, H, D)-contiguous."""
+    B, H, N, D = shape
+    return torch.empty(B, N, H, D, dtype=dtype, device=device).transpose(1, 2)
+
+
+def _check_out(out, *likes):
+    for o, like in zip(out, likes):
+        if o.shape != like.shape or o.dtype != like.dtype or o.device != like.device:
+            raise ValueError(f"out tensor {tuple(o.shape)} {o.dtype} does not match {tuple(like.shape)} {like.dtype}")
+    return out
+
+
+def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
+    """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new, (B, N, Hq, D)-contiguous
+    viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
+    num_stages) instead of autotuning."""
+    _check(q, k, v)
+    B, HQ, N, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    D0, D1 = _head_dim_chunks(D)
+    o = _check_out((out,), q)[0] if out is not None else _empty_bnhd(q.shape, q.dtype, q.device)
+    lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
+    args = (q, k, v, o, lse, N, HQ, HQ // k.shape[1], scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q), UPCAST_DOT=not q.is_cuda)
+    _launch(_attn_fwd_kernel, "fwd", lambda bm, bn: (triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    return o, lse
+
+
+def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
+    """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous viewed as (B, H, N, D), or
+    the `out` triple."""
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    D0, D1 = _head_dim_chunks(D)
+    precision = _dot_precision(q)
+
+    delta = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
+    block_m = 64 if q.is_cuda else 16
+    _attn_bwd_delta_kernel[(triton.cdiv(N, block_m), B * HQ)](
+        o, do, delta, N, HQ, *o.stride(), *do.stride(),
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+
+    if out is not None:
+        dq, dk, dv = _check_out(out, q, k, v)
+    else:
+        dq = _empty_bnhd(q.shape, q.dtype, q.device)
+        dk = _empty_bnhd(k.shape, k.dtype, k.device)
+        dv = _empty_bnhd(v.shape, v.dtype, v.device)
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not q.is_cuda)
+    args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), B * HKV)
+    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda bm, bn: (triton.cdiv(N, bn), B * HKV), args, consts,
+            blocks)
+    args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ)
+    _launch(_attn_bwd_dq_kernel, "dq", lambda bm, bn: (triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------------
+
+
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        o, lse = attention_fwd(q, k, v, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, ctx.scale)
+        return dq, dk, dv, None
+
+
+def attention_triton(q, k, v, scale: float | None = None):
+    """The `_attention_triton` hook: the fused kernels, differentiable in q, k and v."""
+    return FlashAttention.apply(q, k, v, scale)

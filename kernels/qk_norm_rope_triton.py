@@ -1,0 +1,356 @@
+"""Triton implementation of qk_norm_rope: per-head RMSNorm of q and k, then rotate-half RoPE of the patches.
+
+Imported lazily by kernels/qk_norm_rope.py (never at `import kernels` time). The definition is
+`qk_norm_rope_reference`; this file computes the same function in one launch for q and k.
+
+Forward, per head vector x of length D (the reference's op order and roundings, see below):
+
+    r   = rsqrt(sum(x**2) / D + eps)                       fp32
+    y   = round_in(x * r * w)                              RMSNorm, rounded once to the input dtype
+    y   = round_rope(y)                                    the reference's `.to(cos.dtype)`
+    [y1 | y2] = y                                          halves of D/2 (rotate_half pairs (j, j + D/2))
+    o1  = round_rope(round_rope(y1 * c1) - round_rope(y2 * s1))     patch tokens only; the N - P prefix
+    o2  = round_rope(round_rope(y2 * c2) + round_rope(y1 * s2))     tokens keep o = y
+    out = round_in(o)
+
+round_in / round_rope round an fp32 value to the input dtype / cos.dtype (no-ops for fp32).
+
+bf16-RoPE decision: this kernel REPRODUCES the reference's rounding for every dtype pair, including the
+original model's convention (fp32 q/k with bf16 cos/sin tables); it never falls back. Why that is exact: a
+product of two bf16 (or fp16) numbers is exact in fp32 (8 x 8 <= 24 mantissa bits; 11 x 11 for fp16), so
+rounding the fp32 product once to bf16 gives the bf16 product; and PyTorch's own bf16/fp16 add and
+multiply (CPU and CUDA) compute in fp32 and round, which is what the kernel does after every op. The only
+differences left are in the fp32 RMS reduction (summation order, rsqrt implementation: a few fp32 ulp), which
+can move a value across a bf16 rounding boundary: at most 1 ulp of the rounding dtype, on a small fraction of
+elements (the tests bound both).
+
+Backward (straight-through for the roundings, all fp32): the rotation transposed on the patch tokens,
+    dy1 = do1 * c1 + do2 * s2,   dy2 = do2 * c2 - do1 * s1        (prefix: dy = do)
+then RMSNorm's backward with x_hat = x * r and g = dy * w,
+    dx  = r * (g - x_hat * sum(g * x_hat) / D),   dw = sum over batch, heads and tokens of dy * x_hat
+(dw from deterministic per-program partial sums, reduced by torch). cos/sin get no gradient.
+
+Limits: D even with D/2 <= 512 (one program holds BLOCK_N full head vectors); q and k share a dtype
+(fp32, bf16 or fp16); any strides for every tensor; outputs are (B, N, H, D)-contiguous memory viewed as
+(B, H, N, D), the layout the attention kernel and the head merge like.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """x (fp32) rounded to `dtype` (round to nearest even) and widened back to fp32: the rounding of one
+    PyTorch op in `dtype`. bf16 rounds by integer arithmetic on the fp32 bits (keep the top 16 bits, add half
+    an ulp plus the tie-to-even bit first) because the Triton interpreter truncates fp32 -> bf16 casts; that
+    gives the compiled cast's result (and PyTorch's) everywhere, inf and NaN included."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_fwd_tile(
+    x_ptr, o_ptr,  # one (B, H, N, D) input of any strides, and its output
+    w_ptr,  # (D,) RMSNorm weight of this tensor
+    cos_ptr, sin_ptr,  # (P, D) RoPE tables; their dtype is the rotation dtype
+    b, h, n_start, N, P, eps,
+    sxb, sxh, sxn, sxd,  # x strides
+    sob, soh, son, sod,  # o strides
+    scn, scd, ssn, ssd,  # cos, sin strides
+    HALF: tl.constexpr,  # D / 2
+    BLOCK_N: tl.constexpr,  # tokens per program
+    BLOCK_H: tl.constexpr,  # next power of two >= HALF
+):
+    in_dtype = x_ptr.dtype.element_ty
+    rope_dtype = cos_ptr.dtype.element_ty  # the reference rotates in cos.dtype
+    offs_n = n_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token index
+    offs_d = tl.arange(0, BLOCK_H)  # (BLOCK_H,) index within one half
+    mask_n = offs_n < N
+    mask_d = offs_d < HALF
+    mask = mask_n[:, None] & mask_d[None, :]
+
+    # x as its two halves [x1 | x2], each (BLOCK_N, BLOCK_H), fp32.
+    x_rows = x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn
+    x1 = tl.load(x_rows + offs_d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + (offs_d[None, :] + HALF) * sxd, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + offs_d + HALF, mask=mask_d, other=0.0).to(tl.float32)
+
+    # RMSNorm in fp32, in the reference's op order (x * r) * w, then its two roundings.
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # (BLOCK_N,)
+    r = tl.rsqrt(ss / (2 * HALF) + eps)
+    y1 = _round(_round((x1 * r[:, None]) * w1[None, :], in_dtype), rope_dtype)
+    y2 = _round(_round((x2 * r[:, None]) * w2[None, :], in_dtype), rope_dtype)
+
+    # RoPE of the patch tokens (index >= N - P), each op rounded to the rotation dtype.
+    p = offs_n - (N - P)  # position in the tables; negative for the prefix tokens
+    is_patch = mask_n & (p >= 0)
+    tmask = is_patch[:, None] & mask_d[None, :]
+    c_rows = cos_ptr + p[:, None] * scn
+    s_rows = sin_ptr + p[:, None] * ssn
+    c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
+    c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
+    s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_rows + (offs_d[None, :] + HALF) * ssd, mask=tmask, other=0.0).to(tl.float32)
+    o1 = _round(_round(y1 * c1, rope_dtype) - _round(y2 * s1, rope_dtype), rope_dtype)
+    o2 = _round(_round(y2 * c2, rope_dtype) + _round(y1 * s2, rope_dtype), rope_dtype)
+    # Back to the input dtype (the reference's final `.to(x.dtype)`), rounded to nearest even.
+    o1 = _round(tl.where(is_patch[:, None], o1, y1), in_dtype)
+    o2 = _round(tl.where(is_patch[:, None], o2, y2), in_dtype)
+
+    o_rows = o_ptr + b * sob + h * soh + offs_n[:, None] * son
+    tl.store(o_rows + offs_d[None, :] * sod, o1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_rows + (offs_d[None, :] + HALF) * sod, o2.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    q_ptr, k_ptr, oq_ptr, ok_ptr,  # inputs (B, Hq|Hkv, N, D) of any strides; outputs
+    wq_ptr, wk_ptr,  # (D,) RMSNorm weights
+    cos_ptr, sin_ptr,  # (P, D) RoPE tables
+    N, P, HQ, HKV, eps,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd,  # q, k strides
+    soqb, soqh, soqn, soqd, sokb, sokh, sokn, sokd,  # output strides
+    scn, scd, ssn, ssd,  # cos, sin strides
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), B * (Hq + Hkv)): axis 1 enumerates the q heads of every image, then the k heads."""
+    n_start = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    num_q = tl.num_programs(1) // (HQ + HKV) * HQ  # B * Hq
+    if bh < num_q:
+        _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, sin_ptr, bh // HQ, bh % HQ, n_start, N, P, eps,
+                            sqb, sqh, sqn, sqd, soqb, soqh, soqn, soqd, scn, scd, ssn, ssd,
+                            HALF, BLOCK_N, BLOCK_H)
+    else:
+        bh = bh - num_q
+        _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, sin_ptr, bh // HKV, bh % HKV, n_start, N, P, eps,
+                            skb, skh, skn, skd, sokb, sokh, sokn, sokd, scn, scd, ssn, ssd,
+                            HALF, BLOCK_N, BLOCK_H)
+
+
+@triton.jit
+def _norm_rope_bwd_tile(
+    x_ptr, do_ptr, dx_ptr,  # input, output gradient, input gradient: (B, H, N, D), any strides
+    w_ptr, dw_part_ptr,  # (D,) weight; this program's row of the (programs, D) fp32 dw partial sums
+    cos_ptr, sin_ptr,  # (P, D) RoPE tables
+    b, h, n_start, N, P, eps,
+    sxb, sxh, sxn, sxd,
+    sgb, sgh, sgn, sgd,  # do strides
+    sdb, sdh, sdn, sdd,  # dx strides
+    scn, scd, ssn, ssd,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_H)
+    mask_n = offs_n < N
+    mask_d = offs_d < HALF
+    mask = mask_n[:, None] & mask_d[None, :]
+
+    x_rows = x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn
+    x1 = tl.load(x_rows + offs_d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + (offs_d[None, :] + HALF) * sxd, mask=mask, other=0.0).to(tl.float32)
+    g_rows = do_ptr + b * sgb + h * sgh + offs_n[:, None] * sgn
+    do1 = tl.load(g_rows + offs_d[None, :] * sgd, mask=mask, other=0.0).to(tl.float32)
+    do2 = tl.load(g_rows + (offs_d[None, :] + HALF) * sgd, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + offs_d + HALF, mask=mask_d, other=0.0).to(tl.float32)
+
+    # Rotation transposed (patch tokens); the prefix passes do through (c = 1, s = 0 there).
+    p = offs_n - (N - P)
+    tmask = (mask_n & (p >= 0))[:, None] & mask_d[None, :]
+    c_rows = cos_ptr + p[:, None] * scn
+    s_rows = sin_ptr + p[:, None] * ssn
+    c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
+    c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
+    s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_rows + (offs_d[None, :] + HALF) * ssd, mask=tmask, other=0.0).to(tl.float32)
+    dy1 = do1 * c1 + do2 * s2
+    dy2 = do2 * c2 - do1 * s1
+
+    # RMSNorm backward.
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    r = tl.rsqrt(ss / (2 * HALF) + eps)  # (BLOCK_N,)
+    xh1 = x1 * r[:, None]
+    xh2 = x2 * r[:, None]
+    g1 = dy1 * w1[None, :]
+    g2 = dy2 * w2[None, :]
+    proj = (tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)) / (2 * HALF)  # (BLOCK_N,)
+    dx1 = r[:, None] * (g1 - xh1 * proj[:, None])
+    dx2 = r[:, None] * (g2 - xh2 * proj[:, None])
+
+    dx_rows = dx_ptr + b * sdb + h * sdh + offs_n[:, None] * sdn
+    dx_dtype = dx_ptr.dtype.element_ty
+    tl.store(dx_rows + offs_d[None, :] * sdd, _round(dx1, dx_dtype).to(dx_dtype), mask=mask)
+    tl.store(dx_rows + (offs_d[None, :] + HALF) * sdd, _round(dx2, dx_dtype).to(dx_dtype), mask=mask)
+    # Masked rows and columns hold zeros in x and do, so they add nothing to the partial sums.
+    tl.store(dw_part_ptr + offs_d, tl.sum(dy1 * xh1, axis=0), mask=mask_d)
+    tl.store(dw_part_ptr + offs_d + HALF, tl.sum(dy2 * xh2, axis=0), mask=mask_d)
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(
+    q_ptr, k_ptr, doq_ptr, dok_ptr, dq_ptr, dk_ptr,  # (B, H, N, D) tensors of any strides
+    wq_ptr, wk_ptr,  # (D,) weights
+    dw_part_ptr,  # (programs, D) fp32 partial sums of dw; row = program_id(1) * num_programs(0) + program_id(0)
+    cos_ptr, sin_ptr,
+    N, P, HQ, HKV, eps,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd,
+    sgqb, sgqh, sgqn, sgqd, sgkb, sgkh, sgkn, sgkd,  # doq, dok strides
+    sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd,  # dq, dk strides
+    scn, scd, ssn, ssd,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Same grid as the forward; the q programs' dw rows come first, then the k programs'."""
+    n_start = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    dw_row = dw_part_ptr + (bh * tl.num_programs(0) + tl.program_id(0)) * (2 * HALF)
+    num_q = tl.num_programs(1) // (HQ + HKV) * HQ
+    if bh < num_q:
+        _norm_rope_bwd_tile(q_ptr, doq_ptr, dq_ptr, wq_ptr, dw_row, cos_ptr, sin_ptr,
+                            bh // HQ, bh % HQ, n_start, N, P, eps,
+                            sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, sdqd,
+                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
+    else:
+        bh = bh - num_q
+        _norm_rope_bwd_tile(k_ptr, dok_ptr, dk_ptr, wk_ptr, dw_row, cos_ptr, sin_ptr,
+                            bh // HKV, bh % HKV, n_start, N, P, eps,
+                            skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, sdkd,
+                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _block_sizes(head_dim: int, block_n: int | None):
+    """BLOCK_H covers one half of D; BLOCK_N tokens make a tile of about 4096 elements (memory bound)."""
+    block_h = triton.next_power_of_2(head_dim // 2)
+    if block_n is None:
+        block_n = max(1, min(64, 4096 // (2 * block_h)))
+    return block_n, block_h
+
+
+def _check(q, k, q_weight, k_weight, cos, sin):
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be (B, H, N, D); got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, _, N, D = q.shape
+    if k.shape[0] != B or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, tokens or head dim")
+    if D % 2 or D // 2 > 512:
+        raise ValueError(f"head dim {D} must be even and at most 1024")
+    if q.dtype != k.dtype or q.dtype not in _DTYPES:
+        raise TypeError(f"q and k must share a dtype among {_DTYPES}; got {q.dtype} and {k.dtype}")
+    if q_weight.shape != (D,) or k_weight.shape != (D,):
+        raise ValueError(f"weights must be ({D},); got {tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != D or cos.dtype != sin.dtype:
+        raise ValueError(f"cos/sin must be (P, {D}) of one dtype; got {tuple(cos.shape)} {cos.dtype} and "
+                         f"{tuple(sin.shape)} {sin.dtype}")
+    if cos.dtype not in _DTYPES:
+        raise TypeError(f"cos/sin dtype {cos.dtype} is not among {_DTYPES}")
+    if cos.shape[0] > N:
+        raise ValueError(f"RoPE table has {cos.shape[0]} positions but x has only {N} tokens")
+    devices = {t.device for t in (q, k, q_weight, k_weight, cos, sin)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {devices}")
+
+
+def _empty_bnhd(like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An uninitialized (B, H, N, D) tensor whose memory is (B, N, H, D)-contiguous."""
+    B, H, N, D = like.shape
+    return torch.empty(B, N, H, D, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
+
+
+def _check_out(out, *likes):
+    for o, like in zip(out, likes):
+        if o.shape != like.shape or o.dtype != like.dtype or o.device != like.device:
+            raise ValueError(f"out tensor {tuple(o.shape)} {o.dtype} does not match {tuple(like.shape)} {like.dtype}")
+    return out
+
+
+def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, block_n: int | None = None,
+                     out=None):
+    """The forward launch (no autograd). Returns (q_out, k_out): new tensors, (B, N, H, D)-contiguous viewed as
+    (B, H, N, D), or the given `out` pair (any strides; the tests pass NaN-filled ones)."""
+    _check(q, k, q_weight, k_weight, cos, sin)
+    B, HQ, N, D = q.shape
+    HKV, P = k.shape[1], cos.shape[0]
+    oq, ok = _check_out(out, q, k) if out is not None else (_empty_bnhd(q), _empty_bnhd(k))
+    BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
+    grid = (triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
+    _qk_norm_rope_fwd_kernel[grid](
+        q, k, oq, ok, q_weight, k_weight, cos, sin,
+        N, P, HQ, HKV, eps,
+        *q.stride(), *k.stride(), *oq.stride(), *ok.stride(), *cos.stride(), *sin.stride(),
+        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, num_warps=4,
+    )
+    return oq, ok
+
+
+def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: float = 1e-6,
+                     block_n: int | None = None, out=None):
+    """The backward launch: (dq, dk, dq_weight, dk_weight) for output gradients grad_q, grad_k; dq and dk
+    go to `out` when given."""
+    B, HQ, N, D = q.shape
+    HKV, P = k.shape[1], cos.shape[0]
+    dq, dk = _check_out(out, q, k) if out is not None else (_empty_bnhd(q), _empty_bnhd(k))
+    BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
+    grid = (triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
+    dw_part = torch.empty(grid[0] * grid[1], D, dtype=torch.float32, device=q.device)
+    _qk_norm_rope_bwd_kernel[grid](
+        q, k, grad_q, grad_k, dq, dk, q_weight, k_weight, dw_part, cos, sin,
+        N, P, HQ, HKV, eps,
+        *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
+        *cos.stride(), *sin.stride(),
+        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, num_warps=4,
+    )
+    num_q_rows = grid[0] * B * HQ
+    dwq = dw_part[:num_q_rows].sum(0).to(q_weight.dtype)
+    dwk = dw_part[num_q_rows:].sum(0).to(k_weight.dtype)
+    return dq, dk, dwq, dwk
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------------
+
+
+class QKNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps):
+        oq, ok = qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps)
+        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        ctx.eps = eps
+        return oq, ok
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        # An output that does not reach the loss has no gradient; zeros keep the one launch simple.
+        grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+        grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+        dq, dk, dwq, dwk = qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, ctx.eps)
+        return dq, dk, dwq, dwk, None, None, None
+
+
+def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
+    """The `_qk_norm_rope_triton` hook: the fused kernels, differentiable in q, k and both weights."""
+    if cos.requires_grad or sin.requires_grad:
+        # The model's tables are buffers; a caller that learns them gets the reference and its gradients.
+        from .qk_norm_rope import qk_norm_rope_reference
+
+        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
+    return QKNormRope.apply(q, k, q_weight, k_weight, cos, sin, eps)

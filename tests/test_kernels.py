@@ -1,0 +1,351 @@
+"""The Triton kernels against their PyTorch references (kernels/).
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before anything
+imports the kernel modules); with CUDA the same tests run the compiled kernels on the GPU. Shapes are small
+but chosen to break kernels: N = 44 = 9 prefix tokens + 35 patches (not a multiple of any tile; the
+interpreter uses 16-row tiles, so 2 full tiles + a ragged tail of 12), N = 9 (one partial tile) and 32 (no
+tail); batch 1 and 3; GQA ratios 1, 2, 4; head dims 64, 80 (0.8b) and 76 (5b); inputs that are
+(B, N, H, D) tensors viewed as (B, H, N, D) and other strides; fp32, bf16 (and fp16); outputs pre-filled
+with NaN to catch elements a kernel forgets to write; gradients against the reference's autograd.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
+from kernels.attention_triton import attention_bwd, attention_fwd, attention_triton  # noqa: E402
+from kernels.qk_norm_rope_triton import qk_norm_rope_bwd, qk_norm_rope_fwd, qk_norm_rope_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# On CPU fix the tiles to 16 x 16 (several tiles plus a tail at N = 44); on CUDA let the autotuner choose.
+BLOCKS = None if DEVICE == "cuda" else {"BLOCK_M": 16, "BLOCK_N": 16}
+QK_BLOCK_N = None if DEVICE == "cuda" else 16
+
+# Worst errors seen by each test, printed at the end of the run (pytest -s) for the record.
+WORST: dict[str, float] = {}
+
+
+def _record(name: str, err: float):
+    WORST[name] = max(WORST.get(name, 0.0), err)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_worst():
+    yield
+    for name, err in sorted(WORST.items()):
+        print(f"\nworst {name}: {err:.3e}", end="")
+
+
+def bnhd(B, H, N, D, dtype, seed):
+    """A (B, H, N, D) view of (B, N, H, D) memory: how the model's projections hand q/k/v over."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, N, H, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+
+
+def poisoned(like, layout="bnhd"):
+    """A NaN-filled tensor shaped like `like`, (B, N, H, D)- or (B, H, N, D)-contiguous."""
+    B, H, N, D = like.shape
+    if layout == "bnhd":
+        return torch.full((B, N, H, D), float("nan"), dtype=like.dtype, device=like.device).transpose(1, 2)
+    return torch.full((B, H, N, D), float("nan"), dtype=like.dtype, device=like.device)
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b|, in fp64: one number per tensor, insensitive to the tensor's scale."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def rope_tables(P, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(P, D, generator=g) * 6.3
+    return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+
+
+ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # half an ulp, relative
+
+
+# ----------------------------------------------------------------------------------------------------
+# qk_norm_rope
+# ----------------------------------------------------------------------------------------------------
+
+QK_CASES = [  # (q/k dtype, cos/sin dtype, D, B, Hq, Hkv)
+    (torch.float32, torch.float32, 64, 3, 4, 2),
+    (torch.float32, torch.float32, 80, 1, 4, 1),
+    (torch.float32, torch.bfloat16, 64, 1, 4, 4),  # the original Sapiens2 convention: fp32 model, bf16 tables
+    (torch.float32, torch.bfloat16, 80, 3, 4, 2),
+    (torch.float32, torch.bfloat16, 76, 1, 4, 1),
+    (torch.bfloat16, torch.bfloat16, 64, 3, 4, 2),  # HF convention in a bf16 model
+    (torch.bfloat16, torch.bfloat16, 76, 1, 2, 2),
+    (torch.bfloat16, torch.float32, 80, 1, 4, 2),
+    (torch.float16, torch.float16, 80, 1, 4, 2),
+]
+
+
+@pytest.mark.parametrize("dtype,rope_dtype,D,B,HQ,HKV", QK_CASES)
+def test_qk_norm_rope_forward(dtype, rope_dtype, D, B, HQ, HKV):
+    N, P = 44, 35
+    q, k = bnhd(B, HQ, N, D, dtype, 1), bnhd(B, HKV, N, D, dtype, 2)
+    wq, wk = (torch.randn(D).to(DEVICE) for _ in range(2))
+    cos, sin = rope_tables(P, D, rope_dtype)
+    # Outputs in the other layout, NaN-filled: every element must be written, through any output strides.
+    out = (poisoned(q, "bhnd"), poisoned(k, "bhnd"))
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N, out=out)
+    rq, rk = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    for o, r, name in ((oq, rq, "q"), (ok, rk, "k")):
+        assert not o.isnan().any(), f"{name}: unwritten (NaN) elements"
+        diff = (o.double() - r.double()).abs()
+        if dtype == rope_dtype == torch.float32:
+            # fp32 throughout: only the RMS reduction order and rsqrt differ, a few fp32 ulp.
+            tol = 1e-5 * (1 + r.double().abs())
+            assert (diff <= tol).all(), f"{name}: max err {diff.max().item():.3e}"
+        else:
+            # The kernel repeats the reference's roundings (to bf16/fp16 after each op), so most elements
+            # match exactly; the fp32 RMS factor can differ in its last bits and move a value across a
+            # rounding boundary: at most one ulp of the coarsest dtype involved (2x the half-ulp), and rarely.
+            half_ulp = max(ULP[dtype], ULP[rope_dtype])
+            tol = 2 * half_ulp * r.double().abs() * 1.01 + 1e-30
+            assert (diff <= tol).all(), f"{name}: max err {diff.max().item():.3e} exceeds one ulp"
+            frac = (diff > 0).double().mean().item()
+            assert frac <= 0.01, f"{name}: {frac:.2%} of elements differ from the reference's rounding"
+            _record(f"qk_norm_rope fwd {dtype}/{rope_dtype} mismatch fraction", frac)
+        _record(f"qk_norm_rope fwd {dtype}/{rope_dtype} rel err", rel_err(o, r))
+
+
+@pytest.mark.parametrize("P", [44, 0])
+def test_qk_norm_rope_prefix_edge_cases(P):
+    """P = N: every token is a patch; P = 0: nothing is rotated (pure RMSNorm)."""
+    B, HQ, HKV, N, D = 1, 2, 1, 44, 64
+    q, k = bnhd(B, HQ, N, D, torch.float32, 3), bnhd(B, HKV, N, D, torch.float32, 4)
+    wq, wk = (torch.randn(D).to(DEVICE) for _ in range(2))
+    cos, sin = rope_tables(P, D, torch.float32)
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N)
+    rq, rk = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    torch.testing.assert_close(oq, rq, rtol=1e-5, atol=1e-5)  # fp32: reduction order only
+    torch.testing.assert_close(ok, rk, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_rope_odd_strides():
+    """q whose head dim is not the unit stride (a (B, H, D, N) tensor transposed), k a slice of a packed
+    (B, N, 2, H, D) projection, tables that are a non-contiguous view."""
+    B, H, N, D, P = 1, 2, 44, 80, 35
+    q = torch.randn(B, H, D, N, device=DEVICE).transpose(-1, -2)
+    k = torch.randn(B, N, 2, H, D, device=DEVICE)[:, :, 1].transpose(1, 2)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    angles = (torch.rand(D, P) * 6.3).to(DEVICE)
+    cos, sin = angles.cos().t(), angles.sin().t()  # (P, D) with strides (1, P)
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N)
+    rq, rk = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    torch.testing.assert_close(oq, rq, rtol=1e-5, atol=1e-5)  # fp32: reduction order only
+    torch.testing.assert_close(ok, rk, rtol=1e-5, atol=1e-5)
+
+
+QK_GRAD_CASES = [  # (q/k dtype, cos/sin dtype, D, B, Hq, Hkv, tolerance on rel_err, reason)
+    (torch.float32, torch.float32, 64, 3, 4, 2, 1e-5),  # fp32: reduction order only
+    (torch.float32, torch.float32, 76, 1, 4, 1, 1e-5),
+    # The reference's autograd rounds gradients to bf16 where its forward casts to bf16; the kernel's
+    # backward is fp32 throughout (straight-through): they differ by a few bf16 roundings, about 2**-8 each.
+    (torch.float32, torch.bfloat16, 80, 1, 4, 2, 2e-2),
+    (torch.bfloat16, torch.bfloat16, 64, 1, 4, 4, 2e-2),
+]
+
+
+@pytest.mark.parametrize("dtype,rope_dtype,D,B,HQ,HKV,tol", QK_GRAD_CASES)
+def test_qk_norm_rope_backward(dtype, rope_dtype, D, B, HQ, HKV, tol):
+    N, P = 44, 35
+    q, k = bnhd(B, HQ, N, D, dtype, 5), bnhd(B, HKV, N, D, dtype, 6)
+    wq, wk = (torch.randn(D).to(DEVICE) for _ in range(2))
+    cos, sin = rope_tables(P, D, rope_dtype)
+    gq, gk = bnhd(B, HQ, N, D, dtype, 7), bnhd(B, HKV, N, D, dtype, 8)  # output gradients, (B, N, H, D) memory
+
+    dq, dk, dwq, dwk = qk_norm_rope_bwd(q, k, wq, wk, cos, sin, gq, gk, 1e-6, block_n=QK_BLOCK_N,
+                                        out=(poisoned(q), poisoned(k)))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, wq, wk)]
+    rq, rk = qk_norm_rope_reference(*leaves, cos, sin, 1e-6)
+    ref = torch.autograd.grad((rq, rk), leaves, (gq, gk))
+    for name, got, want in zip(("dq", "dk", "dwq", "dwk"), (dq, dk, dwq, dwk), ref):
+        assert not got.isnan().any(), f"{name}: unwritten (NaN) elements"
+        err = rel_err(got, want)
+        _record(f"qk_norm_rope bwd {dtype}/{rope_dtype} {name} rel err", err)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol}"
+
+
+def test_qk_norm_rope_autograd_matches_launchers():
+    """The autograd.Function wires the launchers correctly (inputs, weights, and an output that is unused)."""
+    B, HQ, HKV, N, D, P = 1, 2, 1, 44, 64, 35
+    q = bnhd(B, HQ, N, D, torch.float32, 9).requires_grad_()
+    k = bnhd(B, HKV, N, D, torch.float32, 10).requires_grad_()
+    wq = torch.randn(D, device=DEVICE, requires_grad=True)
+    wk = torch.randn(D, device=DEVICE, requires_grad=True)
+    cos, sin = rope_tables(P, D, torch.float32)
+    oq, ok = qk_norm_rope_triton(q, k, wq, wk, cos, sin)
+    (oq * oq.detach()).sum().backward()  # k's output unused: its gradient path gets zeros
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, wq, wk)]
+    rq, _ = qk_norm_rope_reference(*leaves, cos, sin)
+    (rq * rq.detach()).sum().backward()
+    for got, want in zip((q, k, wq, wk), leaves):
+        want_grad = torch.zeros_like(want) if want.grad is None else want.grad  # k, wk: no path to the loss
+        torch.testing.assert_close(got.grad, want_grad, rtol=1e-5, atol=1e-5)  # fp32: reduction order only
+
+
+# ----------------------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------------------
+
+ATTN_CASES = [  # (dtype, D, B, Hq, Hkv, N)
+    (torch.float32, 64, 1, 4, 4, 44),  # GQA ratio 1
+    (torch.float32, 64, 3, 4, 2, 44),  # ratio 2, batch 3
+    (torch.float32, 80, 1, 4, 1, 44),  # ratio 4, head dim 80 = 64 + 16
+    (torch.float32, 76, 1, 4, 2, 44),  # head dim 76 = 64 + 16 with 12 masked columns
+    (torch.bfloat16, 64, 1, 4, 1, 44),
+    (torch.bfloat16, 80, 3, 4, 2, 44),
+    (torch.bfloat16, 80, 1, 2, 2, 44),
+    (torch.bfloat16, 76, 1, 4, 4, 44),
+    (torch.bfloat16, 64, 1, 2, 1, 9),  # a single partial tile
+    (torch.bfloat16, 64, 1, 2, 1, 32),  # whole tiles, no tail
+    (torch.float16, 80, 1, 2, 1, 44),
+]
+# Tolerances on rel_err against the fp32 reference evaluated on the same (rounded) inputs:
+#  fp32: the kernel's math is the reference's up to summation order and exp2 vs exp: ~1e-6.
+#  bf16/fp16: P (forward) and dS (backward) are rounded to the input dtype before their matmuls, and the
+#  outputs are rounded (the interpreter truncates, the GPU rounds to nearest): a few 2**-8 (bf16) / 2**-11
+#  (fp16) relative errors that partly cancel in the sums.
+ATTN_TOL = {torch.float32: (2e-5, 5e-5), torch.bfloat16: (2.5e-2, 4e-2), torch.float16: (2e-3, 4e-3)}
+
+
+@pytest.mark.parametrize("dtype,D,B,HQ,HKV,N", ATTN_CASES)
+def test_attention_forward_backward(dtype, D, B, HQ, HKV, N):
+    q, k, v = bnhd(B, HQ, N, D, dtype, 11), bnhd(B, HKV, N, D, dtype, 12), bnhd(B, HKV, N, D, dtype, 13)
+    do = bnhd(B, HQ, N, D, dtype, 14)
+    scale = None if D != 80 else 0.3  # the explicit-scale path once
+    o, lse = attention_fwd(q, k, v, scale, blocks=BLOCKS, out=poisoned(q, "bhnd"))
+    dq, dk, dv = attention_bwd(q, k, v, o, lse, do, scale, blocks=BLOCKS,
+                               out=(poisoned(q), poisoned(k, "bhnd"), poisoned(v)))
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*leaves, scale=scale)
+    grads = torch.autograd.grad(ref, leaves, do.double())
+    tol_o, tol_g = ATTN_TOL[dtype]
+    for name, got, want, tol in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (ref, *grads),
+                                    (tol_o, tol_g, tol_g, tol_g)):
+        assert not got.isnan().any(), f"{name}: unwritten (NaN) elements"
+        err = rel_err(got, want)
+        _record(f"attention {dtype} {name} rel err", err)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol}"
+    # lse (base 2) against the reference's log-sum-exp of the scaled scores.
+    kr = leaves[1].detach().repeat_interleave(HQ // HKV, dim=1)
+    s = leaves[0].detach() @ kr.transpose(-1, -2) * (D ** -0.5 if scale is None else scale)
+    lse_ref = torch.logsumexp(s, dim=-1).reshape(B * HQ, N) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    assert (lse.double() - lse_ref).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+def test_attention_autograd_and_layout():
+    """Through the autograd.Function: the output is (B, N, Hq, D) memory (the head merge is a free view),
+    and gradients match the reference's, including a gradient that arrives in the merged-head layout."""
+    B, HQ, HKV, N, D = 1, 4, 2, 44, 64
+    q, k, v = (bnhd(B, h, N, D, torch.float32, s).requires_grad_() for h, s in ((HQ, 15), (HKV, 16), (HKV, 17)))
+    o = attention_triton(q, k, v)
+    assert o.transpose(1, 2).is_contiguous()
+    merged = o.transpose(1, 2).reshape(B, N, HQ * D)  # what the model's output projection consumes
+    w = torch.randn(HQ * D, device=DEVICE)
+    (merged * w).sum().backward()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    (attention_reference(*leaves).transpose(1, 2).reshape(B, N, HQ * D) * w).sum().backward()
+    for got, want in zip((q, k, v), leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)  # fp32: summation order
+
+
+def test_attention_rejects_bad_shapes():
+    q = torch.randn(1, 3, 8, 64, device=DEVICE)
+    kv = torch.randn(1, 2, 8, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attention_fwd(q, kv, kv)
+    with pytest.raises(TypeError, match="share a dtype"):
+        attention_fwd(q[:, :2], kv.half(), kv.half())
+
+
+# ----------------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_dispatch(monkeypatch):
+    B, HQ, HKV, N, D = 1, 2, 1, 20, 64
+    q, k, v = (bnhd(B, h, N, D, torch.float32, s).contiguous() for h, s in ((HQ, 18), (HKV, 19), (HKV, 20)))
+    ref = attention_reference(q, k, v)
+    # With contiguous inputs the reference (SDPA) returns (B, Hq, N, D)-contiguous memory, the Triton kernel
+    # (B, N, Hq, D) memory: the layout tells which implementation ran.
+    monkeypatch.setenv("SAPIENS2_KERNELS", "triton")
+    o = kernels.attention(q, k, v)
+    assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous()
+    torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+    monkeypatch.setenv("SAPIENS2_KERNELS", "torch")
+    assert kernels.attention(q, k, v).is_contiguous()
+    monkeypatch.setenv("SAPIENS2_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="SAPIENS2_KERNELS"):
+        kernels.attention(q, k, v)
+    if DEVICE == "cpu":
+        monkeypatch.setenv("SAPIENS2_KERNELS", "auto")  # CPU tensors: the reference
+        assert kernels.attention(q, k, v).is_contiguous()
+        monkeypatch.setenv("SAPIENS2_KERNELS", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            kernels.attention(q, k, v)
+
+
+def test_dispatch_qk_norm_rope(monkeypatch):
+    B, HQ, HKV, N, D, P = 1, 2, 1, 20, 64, 16
+    q, k = bnhd(B, HQ, N, D, torch.float32, 21), bnhd(B, HKV, N, D, torch.float32, 22)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    cos, sin = rope_tables(P, D, torch.bfloat16)
+    monkeypatch.setenv("SAPIENS2_KERNELS", "triton")
+    oq, ok = kernels.qk_norm_rope(q, k, wq, wk, cos, sin, eps=1e-6)
+    assert oq.transpose(1, 2).is_contiguous()  # the Triton layout: it ran
+    rq, rk = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    # bf16 tables: the kernel repeats the reference's roundings; at most one bf16 ulp apart (see above).
+    torch.testing.assert_close(oq, rq, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(ok, rk, rtol=2 ** -7, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model on the fused path
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rope_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, monkeypatch):
+    """A whole forward with SAPIENS2_KERNELS=triton vs the reference kernels. Tolerances: fp32 1e-5
+    (the kernels agree to ~1e-6 per op); bf16 3e-2 (bf16 activations: the flash kernel's fp32
+    accumulation and the reference SDPA round differently, ~4e-3 per op over 3 blocks)."""
+    from sapiens2 import Sapiens2, Sapiens2Config
+
+    torch.manual_seed(0)
+    config = Sapiens2Config(embed_dim=128, depth=3, num_heads=2, full_attention_first=1, full_attention_last=1,
+                            gqa_kv_heads=1, rope_dtype=rope_dtype)
+    model = Sapiens2(config).eval().to(DEVICE, dtype)
+    x = torch.randn(2, 3, 48, 32, device=DEVICE, dtype=dtype)  # N = 9 + 6 tokens: a ragged tile
+    calls = []
+    for module_name, hook in (("kernels.attention", "_attention_triton"), ("kernels.qk_norm_rope", "_qk_norm_rope_triton")):
+        module = sys.modules[module_name]
+        original = getattr(module, hook)
+        monkeypatch.setattr(module, hook, lambda *a, _f=original, _n=hook: calls.append(_n) or _f(*a))
+    with torch.no_grad():
+        monkeypatch.setenv("SAPIENS2_KERNELS", "torch")
+        expected = model(x).tokens
+        monkeypatch.setenv("SAPIENS2_KERNELS", "triton")
+        got = model(x).tokens
+    err = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+    _record(f"model forward {dtype} rope {rope_dtype}", err)
+    assert err < (1e-5 if dtype == torch.float32 else 3e-2)
+    # the fused path really ran, once per block for each op
+    assert sorted(set(calls)) == ["_attention_triton", "_qk_norm_rope_triton"] and len(calls) == 2 * config.depth
