@@ -20,5 +20,15 @@ $(VENV)/.installed: requirements.txt requirements-test.txt
 test: env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The bundled photo (assets/astronaut.jpg) through seg + normal + pose; pictures in demo_out/. Downloads the
+# DEMO_MODEL checkpoints when it can (0.4b: about 5 GB, cached in ~/.cache/sapiens2); without network or weights
+# it runs the same pipeline with random weights on the 0.1b backbone and says loudly that the pictures are
+# meaningless.
+DEMO_MODEL ?= 0.4b
+demo: env
+	$(PY) predict.py seg,normal,pose assets/astronaut.jpg -o demo_out --model $(DEMO_MODEL) \
+		--random-init fallback --random-backbone 0.1b
+	@echo "pictures: $$(ls demo_out/*.jpg demo_out/*.normal.png | tr '\n' ' ')"
+
 clean:
 	rm -rf $(VENV) .pytest_cache demo_out

@@ -515,8 +515,9 @@ def _check_rope_periods(periods: torch.Tensor | None, config: Sapiens2Config, so
 # ----------------------------------------------------------------------------------------------------
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Released pretrain checkpoints by preset name.
+# Released checkpoints by preset name: pretrain by size ("0.4b"), task models as "seg-0.4b" (albedo: none released).
 HUB_IDS = {name: f"facebook/sapiens2-pretrain-{name}" for name in ("0.1b", "0.4b", "0.8b", "1b", "5b")}
+HUB_IDS.update({name: f"facebook/sapiens2-{name}" for name in TASK_PRESETS if not name.startswith("albedo")})
 
 
 def cache_dir() -> Path:
