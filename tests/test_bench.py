@@ -1,0 +1,55 @@
+"""Smoke test of bench/e2e.py: it runs end to end on CPU at a tiny config, writes a well-formed JSON (+ table
+and plot), and its output comparison really fails when our model is wrong."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")  # the HF rows are the reference the comparison needs
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--device", "cpu", "--presets", "tiny", "--models", "backbone", "--batches", "2", "--size", "32", "32",
+        "--impls", "hf,ours,ours-triton", "--warmup", "1", "--reps", "2", "--timeout", "120"]
+
+
+def run_bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), *TINY, "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=170, cwd=ROOT)
+
+
+def test_e2e_runs_and_writes_the_schema(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = run_bench(out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["device_kind"] == "cpu" and data["device"]
+    assert {"torch", "transformers", "triton", "python"} <= set(data["versions"])
+    assert data["memory_method"].startswith("cpu:")
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert set(rows) == {"hf", "ours", "ours-triton"}
+    assert rows["ours-triton"]["status"] == "skipped" and "CUDA" in rows["ours-triton"]["reason"]
+    for impl in ("hf", "ours"):
+        r = rows[impl]
+        assert r["status"] == "ok", r
+        assert r["size"] == [32, 32] and r["batch"] == 2 and r["dtype"] == "fp32"
+        assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["iqr_ms"] >= 0 and len(r["times_ms"]) == 2
+        assert r["images_per_s"] == pytest.approx(2 / (r["median_ms"] / 1e3))
+        assert r["peak_mb"] is not None and r["flops"] > r["flops_attention"] > 0 and r["bytes"] > 0
+        assert r["achieved_tflops"] > 0 and r["peak_fraction"] is None  # no peak fraction on CPU
+        assert r["reference"] == "hf" and r["rel_err"] <= r["tolerance"]
+    assert rows["ours"]["speedup_vs_hf"] > 0
+    assert out.with_suffix(".md").read_text().count("| tiny | backbone |") == 3
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_e2e_fails_loudly_on_a_wrong_model(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = run_bench(out, "--perturb")  # scales one weight of our model: fast, and wrong
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "MISMATCH" in proc.stderr
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["hf"]["status"] == "ok"
+    assert rows["ours"]["status"] == "MISMATCH" and rows["ours"]["rel_err"] > rows["ours"]["tolerance"]
