@@ -303,23 +303,22 @@ class Attention(nn.Module):
         self.wq = nn.Linear(dim, dim)
         self.wk = nn.Linear(dim, num_kv_heads * self.head_dim)
         self.wv = nn.Linear(dim, num_kv_heads * self.head_dim)
+        # Per-head RMSNorm of q and k; their weights feed the fused kernels.qk_norm_rope.
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.proj = nn.Linear(dim, dim)
         self.gamma = LayerScale(dim, layer_scale) if layer_scale is not None else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x (B, N, C); rope = (cos, sin) tables (P, D) for the last P tokens (main blocks only)."""
         B, N, C = x.shape
         D = self.head_dim
         q = self.wq(x).view(B, N, self.num_heads, D).transpose(1, 2)  # (B, Hq, N, D)
         k = self.wk(x).view(B, N, self.num_kv_heads, D).transpose(1, 2)  # (B, Hkv, N, D)
         v = self.wv(x).view(B, N, self.num_kv_heads, D).transpose(1, 2)  # (B, Hkv, N, D)
-        if self.q_norm is not None and rope is not None:
+        # Main blocks normalize and rotate q and k; the 4K tokenizer's blocks do neither.
+        if self.q_norm is not None:
             q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, *rope, eps=self.eps)
-        elif self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        elif rope is not None:
-            q, k = kernels.rope_reference(q, *rope), kernels.rope_reference(k, *rope)
         o = kernels.attention(q, k, v)  # (B, Hq, N, D)
         o = self.proj(o.transpose(1, 2).reshape(B, N, C))  # merge heads head-major: (B, N, Hq*D)
         return self.gamma(o) if self.gamma is not None else o
