@@ -207,30 +207,33 @@ def head_from_original(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
 # ----------------------------------------------------------------------------------------------------
 
 
-def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors and the metadata of one .safetensors file, with an error that names the file."""
+def read_safetensors(path: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors and the metadata of one .safetensors file, with an error that names the file.
+    Floating tensors are cast to `dtype` one at a time as they are read, so a 5b fp32 file loaded in
+    bf16 never holds both copies in memory."""
     path = Path(path)
+    cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t  # noqa: E731
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+            return {k: cast(f.get_tensor(k)) for k in f.keys()}, dict(f.metadata() or {})
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
 
 
-def read_checkpoint_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def read_checkpoint_dir(directory: Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(tensors, config.json contents or {}, safetensors metadata) of a checkpoint directory."""
     config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").exists() else {}
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
     if single.exists():
-        tensors, meta = read_safetensors(single)
+        tensors, meta = read_safetensors(single, dtype)
     elif index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         tensors, meta = {}, {}
         for shard in sorted(set(weight_map.values())):
-            part, meta = read_safetensors(directory / shard)
+            part, meta = read_safetensors(directory / shard, dtype)
             tensors.update(part)
         listed = set(weight_map)
         if listed != set(tensors):
@@ -242,7 +245,7 @@ def read_checkpoint_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict,
             raise FileNotFoundError(
                 f"{directory}: expected model.safetensors or model.safetensors.index.json, found {files or 'none'}"
             )
-        tensors, meta = read_safetensors(directory / files[0])
+        tensors, meta = read_safetensors(directory / files[0], dtype)
     return tensors, config, meta
 
 
@@ -595,14 +598,14 @@ def _how_to_get(repo_id, revision, local, why) -> str:
     )
 
 
-def resolve(source: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, dict, str]:
-    """(tensors, config.json contents, metadata, description) of any source."""
+def resolve(source: str | os.PathLike, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict, dict, str]:
+    """(tensors, config.json contents, metadata, description) of any source; floating tensors in `dtype`."""
     path = Path(source)
     if path.is_dir():
-        tensors, config, meta = read_checkpoint_dir(path)
+        tensors, config, meta = read_checkpoint_dir(path, dtype)
         return tensors, config, meta, str(path)
     if path.is_file():
-        tensors, meta = read_safetensors(path)
+        tensors, meta = read_safetensors(path, dtype)
         sidecar = path.with_name("config.json")
         config = json.loads(sidecar.read_text()) if sidecar.exists() and path.name == "model.safetensors" else {}
         return tensors, config, meta, str(path)
@@ -610,7 +613,7 @@ def resolve(source: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, d
     if name in HUB_IDS:
         name = HUB_IDS[name]
     if HUB_ID.match(name) and not name.endswith(".safetensors"):
-        tensors, config, meta = read_checkpoint_dir(download(name))
+        tensors, config, meta = read_checkpoint_dir(download(name), dtype)
         return tensors, config, meta, name
     raise FileNotFoundError(f"{source}: no such file or directory, and not a hub id like facebook/sapiens2-pretrain-0.4b")
 
@@ -645,18 +648,17 @@ def load(source, dtype=torch.float32, device="cpu", task: str | None = None, pre
     overrides: Sapiens2Config fields that do not change the weights' shapes, e.g. rope_dtype="float32".
     Floating tensors of any dtype in the file are cast to `dtype`.
     """
-    tensors, hf_config, meta, name = resolve(source)
+    dtype = parse_dtype(dtype)
+    tensors, hf_config, meta, name = resolve(source, dtype)
     fmt, backbone, head, named_task = split_checkpoint(tensors)
     config, head_config = _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides)
     found = head_config.task if head_config else "pretrain (no decode head)"
     if task is not None and (head_config is None or head_config.task != task):
         raise ValueError(f"{name} is a {found} checkpoint, but a {task} model was requested")
     periods = backbone.pop(ROPE_PERIODS_KEY, None)
-    dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = Sapiens2(config) if head_config is None else build_task_model(config, head_config)
     state = backbone if head_config is None else {**{f"backbone.{k}": v for k, v in backbone.items()}, **head}
-    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     load_strict(model, state, f"{name} ({fmt} format, {found})")
     _check_rope_periods(periods, config, name)
     return model.to(device).eval()
