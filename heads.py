@@ -423,12 +423,18 @@ def build_task_model(config: Sapiens2Config, head_config: HeadConfig) -> Sapiens
     return TASK_MODELS[head_config.task](config, head_config)
 
 
-def from_preset(name: str, **backbone_overrides) -> Sapiens2ForTask:
-    """A randomly initialized task model, e.g. from_preset("seg-0.4b")."""
+def task_preset(name: str) -> tuple[str, HeadConfig]:
+    """"seg-0.4b" -> ("0.4b", the released seg head of the 0.4b model)."""
     if name not in TASK_PRESETS:
         raise ValueError(f"unknown task preset {name!r}; choose one of {', '.join(TASK_PRESETS)}")
     task, size = name.split("-", 1)
-    return build_task_model(Sapiens2Config.from_preset(size, **backbone_overrides), head_preset(task, size))
+    return size, head_preset(task, size)
+
+
+def from_preset(name: str, **backbone_overrides) -> Sapiens2ForTask:
+    """A randomly initialized task model, e.g. from_preset("seg-0.4b")."""
+    size, head = task_preset(name)
+    return build_task_model(Sapiens2Config.from_preset(size, **backbone_overrides), head)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import kernels
 # Config and size presets
 # ----------------------------------------------------------------------------------------------------
 
-ROPE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+ROPE_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass
@@ -221,20 +221,10 @@ class RotaryEmbedding2D(nn.Module):
         return self._cache[key]
 
     def _tables(self, h, w, device, dtype, augment: bool):
+        args = (self.config.head_dim, self.config.rope_base, h, w, device, self._augment if augment else None)
         if self.config.rope_dtype == "bfloat16":
-            return rope_tables_bf16(self.config.head_dim, self.config.rope_base, h, w, device, self._augment if augment else None)
-        return tuple(t.to(dtype) for t in self._tables_fp32(h, w, device, augment))
-
-    def _tables_fp32(self, h, w, device, augment: bool):
-        """HF transformers' computation: inverse frequencies and angles in fp32."""
-        d = self.config.head_dim
-        inv_freq = 1 / self.config.rope_base ** torch.arange(0, 1, 4 / d, dtype=torch.float32, device=device)  # (D/4,)
-        coords = patch_centre_coordinates(h, w, torch.float32, device)  # (h*w, 2)
-        if augment:
-            coords = self._augment(coords)
-        angles = 2 * math.pi * coords[:, :, None] * inv_freq[None, None, :]  # (h*w, 2, D/4)
-        angles = angles.flatten(1, 2).tile(2)  # (h*w, D) = [y | x | y | x]
-        return torch.cos(angles), torch.sin(angles)
+            return rope_tables_bf16(*args)
+        return tuple(t.to(dtype) for t in rope_tables_fp32(*args))  # cast to the activations, as HF does
 
     def _augment(self, coords: torch.Tensor) -> torch.Tensor:
         """Random shift / per-axis jitter / global rescale of the coordinates, in their own dtype."""
@@ -263,6 +253,17 @@ def rope_periods_bf16(head_dim: int, base: float, device=None) -> torch.Tensor:
     """The original's `rope_embed.periods` buffer: base ** (2k / (D/2)), k < D/4, every op in bf16."""
     k = torch.arange(head_dim // 4, dtype=torch.bfloat16, device=device)
     return base ** (2 * k / (head_dim // 2))
+
+
+def rope_tables_fp32(head_dim: int, base: float, h: int, w: int, device=None, augment=None):
+    """HF transformers' computation: inverse frequencies and angles in fp32."""
+    inv_freq = 1 / base ** torch.arange(0, 1, 4 / head_dim, dtype=torch.float32, device=device)  # (D/4,)
+    coords = patch_centre_coordinates(h, w, torch.float32, device)  # (h*w, 2)
+    if augment is not None:
+        coords = augment(coords)
+    angles = 2 * math.pi * coords[:, :, None] * inv_freq[None, None, :]  # (h*w, 2, D/4)
+    angles = angles.flatten(1, 2).tile(2)  # (h*w, D) = [y | x | y | x]
+    return torch.cos(angles), torch.sin(angles)
 
 
 def rope_tables_bf16(head_dim: int, base: float, h: int, w: int, device=None, augment=None):

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from heads import OUT_CHANNELS, TASK_PRESETS, HeadConfig, Sapiens2ForTask, build_task_model, head_preset
+from heads import OUT_CHANNELS, TASK_PRESETS, HeadConfig, Sapiens2ForTask, build_task_model, task_preset
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16
 
 # ----------------------------------------------------------------------------------------------------
@@ -345,14 +345,13 @@ def config_from_hf(hf: dict) -> Sapiens2Config:
             full_attention_first=hf.get("num_first_full_attention_layers", 8),
             full_attention_last=hf.get("num_last_full_attention_layers", 8),
         )
-    for name in ("patch_size", "image_size"):
-        v = cfg.get(name)
-        if name == "patch_size" and isinstance(v, (list, tuple)):
-            if v[0] != v[1]:
-                raise ValueError(f"non-square patches {v} are not supported")
-            cfg[name] = v[0]
-        if name == "image_size" and isinstance(v, int):
-            cfg[name] = (v, v)
+    patch = cfg.get("patch_size")
+    if isinstance(patch, (list, tuple)):  # HF allows (h, w) patches; ours are square
+        if patch[0] != patch[1]:
+            raise ValueError(f"non-square patches {patch} are not supported")
+        cfg["patch_size"] = patch[0]
+    if isinstance(cfg.get("image_size"), int):
+        cfg["image_size"] = (cfg["image_size"], cfg["image_size"])
     cfg.update({k: hf[k] for k in EXTRA_CONFIG_FIELDS if k in hf})
     return Sapiens2Config(**cfg)
 
@@ -395,7 +394,7 @@ def head_config_to_hf(head: HeadConfig) -> dict:
 def head_config_from_hf(hf: dict) -> HeadConfig | None:
     if "sapiens2_head_config" in hf:  # a head HF cannot express (albedo), saved by `save`
         return HeadConfig.from_dict(hf["sapiens2_head_config"])
-    task = next((HF_TASK_CLASSES[a] for a in hf.get("architectures", []) if a in HF_TASK_CLASSES), None)
+    task = _hf_task(hf)
     head = hf.get("head_config")
     if task is None or not head:
         return None
@@ -584,9 +583,9 @@ def download(repo_id: str, revision: str = "main", progress: bool = True) -> Pat
             for shard in sorted(set(index["weight_map"].values())):
                 if not have(shard) and not _fetch(url + shard, local / shard, progress):
                     raise FileNotFoundError(f"{repo_id}: shard {shard} listed in the index is missing at {url}")
+    except FileNotFoundError:
+        raise
     except (urllib.error.URLError, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
         raise FileNotFoundError(_how_to_get(repo_id, revision, local, f"download failed: {e}")) from e
     return local
 
@@ -719,8 +718,7 @@ def _preset(name: str) -> tuple[str, HeadConfig | None]:
     if name in PRESETS:
         return name, None
     if name in TASK_PRESETS:
-        task, size = name.split("-", 1)
-        return size, head_preset(task, size)
+        return task_preset(name)
     raise ValueError(f"unknown preset {name!r}; backbones: {', '.join(PRESETS)}; tasks: {', '.join(TASK_PRESETS)}")
 
 
