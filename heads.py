@@ -142,8 +142,30 @@ class ChannelRMSNorm(nn.Module):
         return self.norm(x.movedim(1, -1)).movedim(-1, 1)  # (B, C, H, W) -> (B, H, W, C) and back
 
 
+class InstanceNorm(nn.Module):
+    """nn.InstanceNorm2d's math (per image and channel, over H and W; no affine, no running stats, so no
+    state-dict keys) for either memory format. torch's instance_norm makes a channels-last input contiguous
+    (a copy in, an NCHW tensor out that the next conv copies back), so a head moved to channels-last
+    (`model.decode_head.to(memory_format=torch.channels_last)`) normalizes here instead, without changing
+    the layout. With inplace=True (as the heads build it) that path overwrites its input when no gradient
+    is needed, like nn.SiLU(inplace=True): one image-sized tensor less at the peak."""
+
+    def __init__(self, eps: float = 1e-5, inplace: bool = False):
+        super().__init__()
+        self.eps, self.inplace = eps, inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous():
+            return F.instance_norm(x, eps=self.eps)  # torch's kernel: bit-identical with the original and HF
+        var, mean = torch.var_mean(x, dim=(-2, -1), keepdim=True, correction=0)
+        rstd = (var + self.eps).rsqrt()
+        if self.inplace and not (torch.is_grad_enabled() and x.requires_grad):
+            return x.sub_(mean).mul_(rstd)
+        return (x - mean) * rstd
+
+
 def make_norm(task: str, channels: int) -> nn.Module:
-    return ChannelRMSNorm(channels) if task == "albedo" else nn.InstanceNorm2d(channels)
+    return ChannelRMSNorm(channels) if task == "albedo" else InstanceNorm(inplace=True)
 
 
 def transposed_conv(c_in: int, c_out: int, k: int) -> nn.ConvTranspose2d:
@@ -156,6 +178,15 @@ def conv_norm_act(task: str, c_in: int, c_out: int, k: int, stride: int = 1) -> 
     return [nn.Conv2d(c_in, c_out, k, stride=stride, padding=(k - 1) // 2), make_norm(task, c_out), nn.SiLU()]
 
 
+def run_in_order(layers, x: torch.Tensor) -> torch.Tensor:
+    """Apply the layers one after another in this one frame. Calling nested Sequentials instead would keep
+    each block's input alive until the whole block returns (it sits in the caller's frame): at full
+    resolution that is one more image-sized tensor at the peak."""
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
 class TransposedConvHead(nn.Module):
     """Pose and segmentation: each transposed conv doubles the resolution."""
 
@@ -163,7 +194,7 @@ class TransposedConvHead(nn.Module):
         super().__init__()
         layers, c = [], in_channels
         for c_out, k in zip(config.upsample_channels, config.upsample_kernel_sizes):
-            layers += [transposed_conv(c, c_out, k), nn.InstanceNorm2d(c_out), nn.SiLU()]
+            layers += [transposed_conv(c, c_out, k), InstanceNorm(inplace=True), nn.SiLU()]
             c = c_out
         self.deconv_layers = nn.Sequential(*layers)  # original keys: deconv_layers.{3j}.weight
         layers = []
@@ -174,7 +205,7 @@ class TransposedConvHead(nn.Module):
         self.predictor = nn.Conv2d(c, config.out_channels, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.predictor(self.conv_layers(self.deconv_layers(features)))
+        return run_in_order([*self.deconv_layers, *self.conv_layers, self.predictor], features)
 
 
 class PixelShuffleHead(nn.Module):
@@ -198,7 +229,8 @@ class PixelShuffleHead(nn.Module):
         self.predictor = nn.Conv2d(c, config.out_channels, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.predictor(self.conv_layers(self.upsample_blocks(self.input_conv(features))))
+        upsample = [layer for block in self.upsample_blocks for layer in block]
+        return run_in_order([*self.input_conv, *upsample, *self.conv_layers, self.predictor], features)
 
 
 class PointmapHead(PixelShuffleHead):

@@ -32,10 +32,14 @@ reported. CUDA: torch.cuda.Event around each call. CPU: time.perf_counter. Under
 
 Memory (peak_mb: what one forward call adds on top of the loaded model and its input):
     cuda  torch.cuda.max_memory_allocated() during one call minus memory_allocated() before it
-    cpu   the process's peak RSS during one call (VmHWM in /proc/self/status, reset through
-          /proc/self/clear_refs) minus its RSS before it (after gc and malloc_trim); where clear_refs cannot
-          be written, ru_maxrss over the process lifetime minus the RSS before (an upper bound). The method
-          used is written into the JSON.
+    cpu   the peak of the bytes that one call's own allocations hold at once in PyTorch's CPU allocator:
+          the allocation timeline of torch.profiler (profile_memory=True; every tensor allocation and free,
+          the temporaries inside ops included), summed in time order. Deterministic, and the CPU twin of
+          max_memory_allocated. It does not see memory that libraries allocate outside PyTorch's allocator
+          (oneDNN's own scratch), so the process's RSS is recorded beside it: rss_peak_mb = peak RSS during
+          one call (VmHWM, reset through /proc/self/clear_refs) minus RSS before (after gc and malloc_trim).
+          RSS moves by tens of MB from call to call with the heap's state: use it as a cross-check only.
+          The methods used are written into the JSON.
 
 FLOPs and bytes: counted on the meta device by hooks on every nn.Linear, nn.Conv2d and nn.ConvTranspose2d
 of our (unfused) model (2 * MACs) plus 4 * N^2 * D per query head in each attention; bytes are each such
@@ -262,29 +266,46 @@ def _release_free_memory():
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: give freed heap pages back, so RSS = live memory
 
 
-class CpuPeak:
-    """Peak RSS added by the code run inside the `with` block (see the module docstring)."""
+class CpuRssPeak:
+    """Peak RSS added by the code run inside the `with` block (a cross-check; see the module docstring)."""
 
     def __enter__(self):
         _release_free_memory()
         self.before_kb = _proc_status_kb("VmRSS")
         try:
             pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-            self.method = "cpu: VmHWM (reset via /proc/self/clear_refs) - VmRSS before, after malloc_trim"
+            self.method = "VmHWM (reset via /proc/self/clear_refs) - VmRSS before, after malloc_trim"
         except OSError:
-            self.method = "cpu: ru_maxrss (process lifetime peak, an upper bound) - VmRSS before"
+            self.method = "ru_maxrss (process lifetime peak, an upper bound) - VmRSS before"
         return self
 
     def __exit__(self, *exc):
-        if self.method.startswith("cpu: VmHWM"):
+        if self.method.startswith("VmHWM"):
             peak_kb = _proc_status_kb("VmHWM")
         else:
             import resource
 
             peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         self.peak_mb = None if peak_kb is None or self.before_kb is None else (peak_kb - self.before_kb) / 1024
-        self.rss_mb = None if peak_kb is None else peak_kb / 1024
         return False
+
+
+def cpu_allocation_peak_mb(fn) -> float:
+    """Run fn once; return the peak of the bytes that fn's own allocations held at once, in MiB. The profiler
+    records every allocation and free made while it runs (positive and negative nbytes) but not the free of a
+    block allocated before it started, so this is an upper bound on the net growth; a forward call frees
+    nothing that existed before it, and there the two agree."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    held = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak / 2**20
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -412,10 +433,12 @@ def run_child(spec: dict) -> dict:
             result["memory_method"] = "cuda: max_memory_allocated during one call - memory_allocated before"
             del out
         else:
-            with CpuPeak() as peak:
-                out = forward()
-                del out
-            result["peak_mb"], result["total_peak_mb"], result["memory_method"] = peak.peak_mb, peak.rss_mb, peak.method
+            _release_free_memory()
+            result["peak_mb"] = cpu_allocation_peak_mb(forward)
+            result["memory_method"] = "cpu: torch.profiler allocation timeline, peak held by one call's allocations"
+            with CpuRssPeak() as rss:
+                forward()
+            result["rss_peak_mb"], result["rss_method"] = rss.peak_mb, rss.method
 
     torch.save(saved, spec["outputs"])
     times_sorted = sorted(times)
@@ -572,6 +595,9 @@ def add_derived(rows: list[dict], dev_name: str):
             b = group.get(base)
             ok = b is not None and b.get("median_ms") and b["status"] == "ok"
             r[f"speedup_vs_{base.replace('-', '_')}"] = b["median_ms"] / r["median_ms"] if ok else None
+        hf = group.get("hf")
+        ok = hf is not None and hf["status"] == "ok" and hf.get("peak_mb") and r.get("peak_mb") is not None
+        r["memory_vs_hf"] = r["peak_mb"] / hf["peak_mb"] if ok else None
 
 
 def sort_rows(rows):
@@ -590,13 +616,16 @@ def write_markdown(data: dict, path: pathlib.Path):
         f"triton {data['versions'].get('triton')} · `{data['command']}`",
         "",
         "Median of the timed calls (after warm-up), spread = IQR; img/s = batch / median; peak MB = memory one call "
-        f"adds on top of the loaded model ({data['memory_method']}); rel err = max|x - ref| / max|ref| against the "
+        f"adds on top of the loaded model ({data['memory_method']}); mem/HF = peak MB / the hf row's"
+        + ("" if cuda else "; RSS MB = the process's peak RSS during one call - RSS before (a noisy cross-check)")
+        + "; rel err = max|x - ref| / max|ref| against the "
         "group's reference row (hf, else ours) on the same random weights and input; ×HF, ×compile(HF) = speedup "
         "over those rows (>1: faster). FLOPs: linear + conv + attention (4·N²·D per head), counted in code.",
         "",
-        f"| preset | model | batch | dtype | impl | median ms | IQR ms | img/s | peak MB | {unit} | "
+        f"| preset | model | batch | dtype | impl | median ms | IQR ms | img/s | peak MB | mem/HF | "
+        + ("" if cuda else "RSS MB | ") + f"{unit} | "
         + ("% peak | floor ms | " if cuda else "") + "×HF | ×compile(HF) | rel err | status |",
-        "|" + "---|" * (16 if cuda else 14),
+        "|" + "---|" * (17 if cuda else 16),
     ]
 
     def f(v, spec):
@@ -607,8 +636,11 @@ def write_markdown(data: dict, path: pathlib.Path):
         if r.get("reason") and r["status"] != "ok":
             status += f": {r['reason'][:90]}"
         cells = [r["preset"], r["model"], str(r["batch"]), r["dtype"], r["impl"], f(r.get("median_ms"), ".1f"),
-                 f(r.get("iqr_ms"), ".1f"), f(r.get("images_per_s"), ".2f"), f(r.get("peak_mb"), ".0f"),
-                 f(r["achieved_tflops"] * scale if r.get("achieved_tflops") else None, ".1f")]
+                 f(r.get("iqr_ms"), ".1f"), f(r.get("images_per_s"), ".2f"), f(r.get("peak_mb"), ".1f"),
+                 f(r.get("memory_vs_hf"), ".2f")]
+        if not cuda:
+            cells.append(f(r.get("rss_peak_mb"), ".0f"))
+        cells.append(f(r["achieved_tflops"] * scale if r.get("achieved_tflops") else None, ".1f"))
         if cuda:
             cells += [f(r["peak_fraction"] * 100 if r.get("peak_fraction") else None, ".1f"), f(r.get("flop_floor_ms"), ".1f")]
         cells += [f(r.get("speedup_vs_hf"), ".2f"), f(r.get("speedup_vs_hf_compile"), ".2f"), f(r.get("rel_err"), ".1e"),

@@ -27,7 +27,7 @@ def test_e2e_runs_and_writes_the_schema(tmp_path):
     data = json.loads(out.read_text())
     assert data["device_kind"] == "cpu" and data["device"]
     assert {"torch", "transformers", "triton", "python"} <= set(data["versions"])
-    assert data["memory_method"].startswith("cpu:")
+    assert data["memory_method"].startswith("cpu: torch.profiler allocation timeline")
     rows = {r["impl"]: r for r in data["rows"]}
     assert set(rows) == {"hf", "ours", "ours-triton"}
     assert rows["ours-triton"]["status"] == "skipped" and "CUDA" in rows["ours-triton"]["reason"]
@@ -37,7 +37,7 @@ def test_e2e_runs_and_writes_the_schema(tmp_path):
         assert r["size"] == [32, 32] and r["batch"] == 2 and r["dtype"] == "fp32"
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["iqr_ms"] >= 0 and len(r["times_ms"]) == 2
         assert r["images_per_s"] == pytest.approx(2 / (r["median_ms"] / 1e3))
-        assert r["peak_mb"] is not None and r["flops"] > r["flops_attention"] > 0 and r["bytes"] > 0
+        assert r["peak_mb"] > 0 and r["rss_peak_mb"] is not None and r["flops"] > r["flops_attention"] > 0 and r["bytes"] > 0
         assert r["achieved_tflops"] > 0 and r["peak_fraction"] is None  # no peak fraction on CPU
         assert r["reference"] == "hf" and r["rel_err"] <= r["tolerance"]
     assert rows["ours"]["speedup_vs_hf"] > 0
@@ -53,3 +53,31 @@ def test_e2e_fails_loudly_on_a_wrong_model(tmp_path):
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["hf"]["status"] == "ok"
     assert rows["ours"]["status"] == "MISMATCH" and rows["ours"]["rel_err"] > rows["ours"]["tolerance"]
+
+
+def test_cpu_allocation_peak_counts_live_tensors_exactly():
+    """The CPU memory column: two 4 MB tensors alive at once, then one, then a third: the peak is 8 MB,
+    whatever the heap or RSS does."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import e2e
+
+    x = torch.randn(1000, 1000)  # 4e6 bytes, allocated before: not counted
+
+    def two_at_once():
+        a = x + 1
+        b = a * 2  # a and b alive: 8e6 bytes
+        del a
+        return (b - 1).sum()  # b and b - 1: 8e6 again, never 12e6
+
+    assert e2e.cpu_allocation_peak_mb(two_at_once) == pytest.approx(8e6 / 2**20, abs=1e-3)
+    held = [torch.randn(1000, 1000)]
+
+    def free_then_allocate():
+        held.pop()  # frees 4e6 bytes allocated before the call: the profiler cannot see that free
+        return torch.empty(2000, 1000).fill_(1).sum()
+
+    # So the number is the peak of what the call's own allocations hold at once (8e6), an upper bound on
+    # the net growth (4e6 here). A forward call frees nothing that existed before it, so there they agree.
+    assert e2e.cpu_allocation_peak_mb(free_then_allocate) == pytest.approx(8e6 / 2**20, abs=1e-3)

@@ -58,6 +58,49 @@ def test_original_fixture_parity(fixtures_dir, task):
         assert rel_err(fp32, want16) > e16  # the bf16 convention is the closer one to the bf16 reference
 
 
+@pytest.mark.parametrize("task", list(FIXTURE_OUTPUTS))
+def test_channels_last_head_matches_original_fixture(fixtures_dir, task):
+    """The opt-in channels-last head (convs in NHWC, heads.InstanceNorm normalizing in place without a
+    layout change) gives the original's numbers too, and really runs channels-last end to end."""
+    io = load_file(fixtures_dir / f"public_{task}.io.safetensors")
+    image_size = tuple(json.loads((fixtures_dir / f"public_{task}.json").read_text())["image_size"])
+    model = weights.load(fixtures_dir / f"public_{task}.safetensors", rope_dtype="float32", image_size=image_size)
+    model.decode_head.to(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        outputs = run_task(model, io["pixel_values"])
+    for name, got in zip(FIXTURE_OUTPUTS[task], outputs):
+        err = rel_err(got, io[f"{name}.rope_fp32"])
+        print(f"{task}.{name} channels-last head: rel err {err:.2e}")
+        assert err < TOL
+    dense = outputs[0]
+    assert dense.is_contiguous(memory_format=torch.channels_last) and not dense.is_contiguous()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_instance_norm_matches_torch_in_either_layout(inplace, layout):
+    """heads.InstanceNorm == F.instance_norm: bit-identical on contiguous input (torch's own kernel), 1e-6
+    on channels-last input, which keeps its layout; in place only where no gradient needs the input."""
+    x = torch.randn(2, 5, 7, 3, dtype=torch.float64).float() * 3 + 1
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    expected = torch.nn.functional.instance_norm(x.contiguous(), eps=1e-5)
+    norm = heads.InstanceNorm(inplace=inplace)
+    with torch.no_grad():
+        got = norm(x.clone(memory_format=torch.preserve_format))
+    assert rel_err(got, expected) < (1e-6 if layout == "channels_last" else 1e-30)
+    assert got.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+
+    leaf = x.clone(memory_format=torch.preserve_format).requires_grad_()  # training: never in place
+    before = leaf.detach().clone()
+    out = norm(leaf)
+    assert torch.equal(leaf.detach(), before)
+    (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+    ref_leaf = x.contiguous().requires_grad_()
+    (torch.nn.functional.instance_norm(ref_leaf, eps=1e-5) * torch.arange(out.numel()).view_as(out)).sum().backward()
+    assert rel_err(leaf.grad, ref_leaf.grad) < 1e-5
+
+
 def test_pointmap_fixture_needs_its_image_size(fixtures_dir):
     with pytest.raises(ValueError, match=r"scale MLP takes 16 inputs.*image_size"):
         weights.load(fixtures_dir / "public_pointmap.safetensors")
