@@ -144,19 +144,21 @@ class ChannelRMSNorm(nn.Module):
 
 class InstanceNorm(nn.Module):
     """nn.InstanceNorm2d's math (per image and channel, over H and W; no affine, no running stats, so no
-    state-dict keys) for either memory format. torch's instance_norm makes a channels-last input contiguous
-    (a copy in, an NCHW tensor out that the next conv copies back), so a head moved to channels-last
-    (`model.decode_head.to(memory_format=torch.channels_last)`) normalizes here instead, without changing
-    the layout. With inplace=True (as the heads build it) that path overwrites its input when no gradient
-    is needed, like nn.SiLU(inplace=True): one image-sized tensor less at the peak."""
+    state-dict keys). By default it is torch's kernel, bit-identical with the original and HF; that kernel
+    makes a channels-last input contiguous (a copy in, an NCHW tensor out that the next conv copies back).
+    A head switched to channels-last (Sapiens2ForTask.channels_last_head) sets keep_channels_last, and a
+    channels-last input is then normalized where it lies, in place when no gradient needs it (inplace=True,
+    as the heads build it: like nn.SiLU(inplace=True), it overwrites its input; one image-sized tensor less
+    at the peak)."""
 
     def __init__(self, eps: float = 1e-5, inplace: bool = False):
         super().__init__()
         self.eps, self.inplace = eps, inplace
+        self.keep_channels_last = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_contiguous():
-            return F.instance_norm(x, eps=self.eps)  # torch's kernel: bit-identical with the original and HF
+        if not (self.keep_channels_last and x.is_contiguous(memory_format=torch.channels_last)) or x.is_contiguous():
+            return F.instance_norm(x, eps=self.eps)
         var, mean = torch.var_mean(x, dim=(-2, -1), keepdim=True, correction=0)
         rstd = (var + self.eps).rsqrt()
         if self.inplace and not (torch.is_grad_enabled() and x.requires_grad):
@@ -330,6 +332,17 @@ class Sapiens2ForTask(nn.Module):
 
     def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.backbone(pixel_values).features  # (B, C, H/16, W/16), after the final norm
+
+    def channels_last_head(self, enabled: bool = True) -> "Sapiens2ForTask":
+        """Run the decode head in channels-last (NHWC): its conv weights are converted, and its norms keep
+        that layout instead of copying to NCHW and back. Outputs are then channels-last tensors; numbers
+        agree with the default layout to ~1e-6 (fp32). Off by default: the default path is op-for-op the
+        original's (and HF's). Measured in bench/e2e.py as the ours-cl / ours-triton-cl rows."""
+        self.decode_head.to(memory_format=torch.channels_last if enabled else torch.contiguous_format)
+        for module in self.decode_head.modules():
+            if isinstance(module, InstanceNorm):
+                module.keep_channels_last = enabled
+        return self
 
 
 def _check_labels(name: str, labels: torch.Tensor, expected: tuple, what: str):

@@ -15,6 +15,9 @@ Implementations (rows), each timed in a fresh subprocess on the same random weig
     ours-triton   this repo, eager, Triton kernels (SAPIENS2_KERNELS=triton); CUDA only
     ours-compile  torch.compile(ours) over the reference kernels
     ours-graph    ours-triton replayed as one CUDA graph (--cuda-graphs adds it for batch 1); CUDA only
+    ours-cl, ours-triton-cl
+                  ours / ours-triton with the task head in channels-last (model.channels_last_head()):
+                  NHWC convs, heads.InstanceNorm normalizing in place; task models only
 
 Weights: for each (preset, model, dtype, image size) the parent builds one random model of ours (seeded;
 LayerScale and norm weights randomized too, so that the attention branch matters to the output instead
@@ -29,6 +32,9 @@ fp32 and 5e-2 in bf16/fp16. A row over the bound is marked MISMATCH and the scri
 Timing: warm-up calls (at least 3 for compiled rows: the RoPE table cache fills on the first call and
 causes one recompile), then --reps timed calls; median, min, max and the inter-quartile range are
 reported. CUDA: torch.cuda.Event around each call. CPU: time.perf_counter. Under torch.inference_mode.
+--rounds R (the CPU suite: 2) runs each group's processes R times interleaved (hf, ours, ..., hf, ours, ...)
+and pools the timed calls, so that a slow minute of a shared machine does not land on one row only; each
+round's median is kept in the JSON (round_medians_ms).
 
 Memory (peak_mb: what one forward call adds on top of the loaded model and its input):
     cuda  torch.cuda.max_memory_allocated() during one call minus memory_allocated() before it
@@ -80,7 +86,7 @@ import heads  # noqa: E402
 import sapiens2  # noqa: E402
 import weights  # noqa: E402
 
-IMPLS = ("hf", "hf-eager", "hf-compile", "ours", "ours-triton", "ours-compile", "ours-graph")
+IMPLS = ("hf", "hf-eager", "hf-compile", "ours", "ours-cl", "ours-triton", "ours-triton-cl", "ours-compile", "ours-graph")
 MODELS = ("backbone", "pose", "seg", "normal", "pointmap", "albedo", "matting")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
@@ -113,16 +119,18 @@ TINY_HEADS = {
 SUITES = {
     "gpu": dict(size=(1024, 768), dtype="bf16", warmup=5, reps=20, runs=[
         (("0.4b",), ("backbone",), (8, 1), ("ours-triton", "hf", "hf-compile", "ours-compile", "ours")),
-        (("0.4b",), ("seg", "pose", "normal", "pointmap", "albedo"), (8, 1), ("ours-triton", "hf", "hf-compile", "ours-compile")),
+        (("0.4b",), ("seg", "pose", "normal", "pointmap", "albedo"), (8, 1), ("ours-triton", "ours-triton-cl", "hf", "hf-compile", "ours-compile")),
         (("0.1b", "1b"), ("backbone",), (8, 1), ("ours-triton", "hf", "hf-compile", "ours-compile")),
         (("1b",), ("seg", "normal", "pointmap", "matting"), (8,), ("ours-triton", "hf", "hf-compile")),
         (("5b",), ("backbone",), (8, 1), ("ours-triton", "hf", "hf-compile")),
     ]),
     # 2-core CPU: a few minutes in all. 256x192 keeps 201 tokens per image (CLS + 8 registers + 16x12).
-    "cpu": dict(size=(256, 192), dtype="fp32", warmup=1, reps=5, runs=[
+    "cpu": dict(size=(256, 192), dtype="fp32", warmup=1, reps=5, rounds=2, runs=[
         (("0.1b", "0.4b"), ("backbone",), (1,), ("hf", "hf-compile", "ours", "ours-triton", "ours-compile")),
         (("0.4b",), ("backbone",), (4,), ("hf", "ours")),
-        (("0.4b",), ("seg", "pose", "normal", "pointmap", "albedo"), (1,), ("hf", "ours")),
+        (("0.4b",), ("seg", "pose", "normal", "pointmap", "albedo"), (1,), ("hf", "ours", "ours-cl")),
+        (("1b",), ("backbone",), (1,), ("hf", "ours")),
+        (("1b",), ("matting",), (1,), ("hf", "ours", "ours-cl")),
     ]),
     # The smoke test: tiny architecture, tiny image, seconds.
     "smoke": dict(size=(64, 48), dtype="fp32", warmup=1, reps=3, runs=[
@@ -313,15 +321,21 @@ def cpu_allocation_peak_mb(fn) -> float:
 # ----------------------------------------------------------------------------------------------------
 
 
+def uses_triton(impl: str) -> bool:
+    return impl.startswith("ours-triton") or impl == "ours-graph"
+
+
 def skip_reason(spec: dict) -> str | None:
     impl, device = spec["impl"], spec["device"]
-    if impl in ("ours-triton", "ours-graph") and device != "cuda":
+    if impl.endswith("-cl") and spec["model"] == "backbone":
+        return "channels-last applies to the task heads (the backbone has no convs after the patch embedding)"
+    if uses_triton(impl) and device != "cuda":
         return "Triton kernels run on CUDA only (CPU runs the PyTorch references, the 'ours' row)"
     if impl == "ours-graph" and spec["batch"] != 1:
         return "CUDA graphs are benchmarked at batch 1 only"
     if impl.startswith("hf") and hf_class_name(spec["model"]) is None:
         return f"transformers has no {spec['model']} model"
-    if impl in ("ours-triton", "ours-graph"):
+    if uses_triton(impl):
         import importlib.util
 
         if importlib.util.find_spec("triton") is None:
@@ -347,6 +361,8 @@ def load_impl(spec: dict):
         model = cls.from_pretrained(spec["weights"], dtype=dtype, attn_implementation=attn).to(device).eval()
     else:
         model = weights.load(spec["weights"], dtype=dtype, device=device, rope_dtype="float32")
+        if impl.endswith("-cl"):
+            model.channels_last_head()
         if spec.get("perturb"):  # the smoke test's deliberately wrong model: must be caught as MISMATCH
             backbone = model.backbone if hasattr(model, "backbone") else model
             with torch.no_grad():
@@ -375,7 +391,7 @@ def time_calls(fn, device: str, warmup: int, reps: int) -> list[float]:
 
 
 def run_child(spec: dict) -> dict:
-    os.environ["SAPIENS2_KERNELS"] = "triton" if spec["impl"] in ("ours-triton", "ours-graph") else "torch"
+    os.environ["SAPIENS2_KERNELS"] = "triton" if uses_triton(spec["impl"]) else "torch"
     device = spec["device"]
     result = {"status": "ok"}
     t0 = time.perf_counter()
@@ -557,6 +573,35 @@ def run_job(job: dict, work: pathlib.Path, timeout: float) -> dict:
     return result
 
 
+def split_groups(jobs: list[dict]) -> list[list[dict]]:
+    """Consecutive jobs of one (preset, model, batch, size, dtype): the rows that are compared together."""
+    groups: list[list[dict]] = []
+    for job in jobs:
+        if groups and group_key(groups[-1][0]) == group_key(job):
+            groups[-1].append(job)
+        else:
+            groups.append([job])
+    return groups
+
+
+def merge_rounds(results: list[dict]) -> dict:
+    """One row from the rounds of one job: the timed calls of all rounds pooled (median, IQR, min, max over
+    all of them) and each round's median kept; memory, outputs and load times from the first round."""
+    first = dict(results[0])
+    bad = next((r for r in results if r["status"] != "ok"), None)
+    if bad is not None:
+        return bad
+    if len(results) == 1:
+        return first
+    times = [t for r in results for t in r["times_ms"]]
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    median = statistics.median(times)
+    first.update(times_ms=times, median_ms=median, min_ms=min(times), max_ms=max(times), iqr_ms=q3 - q1,
+                 round_medians_ms=[r["median_ms"] for r in results], rounds=len(results),
+                 images_per_s=first["images_per_s"] * first["median_ms"] / median)
+    return first
+
+
 def compare_group(rows: list[dict]):
     """Compare every ok row of one group with the group's reference (hf, else ours)."""
     ok = {r["impl"]: r for r in rows if r["status"] == "ok"}
@@ -658,7 +703,8 @@ def write_plot(data: dict, path: pathlib.Path):
     if not rows:
         return
     colours = {"hf": (120, 120, 120), "hf-eager": (180, 180, 180), "hf-compile": (60, 60, 60),
-               "ours": (90, 150, 220), "ours-triton": (220, 90, 40), "ours-compile": (40, 90, 170),
+               "ours": (90, 150, 220), "ours-cl": (150, 190, 235), "ours-triton": (220, 90, 40),
+               "ours-triton-cl": (240, 140, 100), "ours-compile": (40, 90, 170),
                "ours-graph": (240, 170, 40)}
     try:
         font = ImageFont.load_default(size=14)
@@ -723,6 +769,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES))
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--reps", type=int)
+    ap.add_argument("--rounds", type=int, help="run each group this many times, interleaved (default: the suite's)")
     ap.add_argument("--cuda-graphs", action="store_true", help="add an ours-graph row (CUDA graph replay) at batch 1")
     ap.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)  # the smoke test's wrong model
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
@@ -774,22 +821,28 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     flops_cache: dict = {}
     rows: list[dict] = []
+    rounds = args.rounds or SUITES[args.suite].get("rounds", 1)
     try:
-        for n, job in enumerate(jobs):
-            fkey = (job["preset"], job["model"], job["batch"], tuple(job["size"]), job["dtype"])
-            if fkey not in flops_cache:
-                flops_cache[fkey] = count_flops(*fkey)
-            row = {k: job[k] for k in ("preset", "model", "batch", "size", "dtype", "impl", "device")}
-            row.update(flops_cache[fkey])
-            row.update(run_job(job, work, args.timeout))
-            rows.append(row)
+        for group_jobs in split_groups(jobs):
+            results = {job_key(job): [] for job in group_jobs}
+            for _ in range(rounds):  # interleaved: hf, ours, ..., hf, ours, ... so slow drift hits all alike
+                for job in group_jobs:
+                    results[job_key(job)].append(run_job(job, work, args.timeout))
+            group = []
+            for job in group_jobs:
+                fkey = (job["preset"], job["model"], job["batch"], tuple(job["size"]), job["dtype"])
+                if fkey not in flops_cache:
+                    flops_cache[fkey] = count_flops(*fkey)
+                row = {k: job[k] for k in ("preset", "model", "batch", "size", "dtype", "impl", "device")}
+                row.update(flops_cache[fkey])
+                row.update(merge_rounds(results[job_key(job)]))
+                group.append(row)
             # Compare as soon as a group is complete, so a wrong row shows while the run goes on.
-            if n + 1 == len(jobs) or group_key(jobs[n + 1]) != group_key(job):
-                group = [r for r in rows if group_key(r) == group_key(job)]
-                compare_group(group)
-                for r in group:
-                    print_row(r)
-                save()
+            compare_group(group)
+            for r in group:
+                print_row(r)
+            rows.extend(group)
+            save()
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -18,7 +18,8 @@
 #   1  0.4b backbone, batch 8, bf16: ours-triton | hf (SDPA) | compile(hf) | compile(ours) | ours (reference kernels)
 #      -> the issue's targets: >= 1.5x hf, >= 1.15x compile(hf), within 1.3x of the FLOP floor
 #   2  0.4b backbone, batch 1, bf16: ours-triton | ours-graph (CUDA graph) | hf | compile(hf)
-#   3  0.4b task models (seg, pose, normal, pointmap, albedo), batch 8, bf16: ours-triton | hf
+#   3  0.4b task models (seg, pose, normal, pointmap, albedo), batch 8, bf16: ours-triton | ours-triton-cl
+#      (channels-last head) | hf
 #   4  0.1b and 1b backbone, batch 8 and 1, bf16: ours-triton | hf | compile(hf)
 #   5  1b task models (seg, normal, pointmap, matting), batch 8: ours-triton | hf
 #   6  5b backbone, batch 8 and 1: ours-triton | hf
@@ -70,7 +71,7 @@ part() {  # part N TIMEOUT args...: run bench/e2e.py if the deadline allows, app
 
 part 1 260 --presets 0.4b --models backbone --batches 8 --impls ours-triton,hf,hf-compile,ours-compile,ours
 part 2 200 --presets 0.4b --models backbone --batches 1 --impls ours-triton,hf,hf-compile --cuda-graphs
-part 3 150 --presets 0.4b --models seg,pose,normal,pointmap,albedo --batches 8 --impls ours-triton,hf
+part 3 200 --presets 0.4b --models seg,pose,normal,pointmap,albedo --batches 8 --impls ours-triton,ours-triton-cl,hf
 part 4 200 --presets 0.1b,1b --models backbone --batches 8,1 --impls ours-triton,hf,hf-compile
 part 5 150 --presets 1b --models seg,normal,pointmap,matting --batches 8 --impls ours-triton,hf
 part 6 200 --presets 5b --models backbone --batches 8,1 --impls ours-triton,hf --reps 10

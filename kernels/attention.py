@@ -16,16 +16,14 @@ from .dispatch import use_triton
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
-    """The definition of attention, through PyTorch SDPA (its math is the formula in the module docstring)."""
+    """The definition of attention, through PyTorch SDPA (its math is the formula in the module docstring).
+    With enable_gqa, SDPA pairs query head h with key/value head h // r itself: the grouping of
+    repeat_interleave, without materializing the repeated K and V (r times their memory). Checked against
+    the explicit formula in tests/test_kernels.py."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")
-    if num_kv_heads != num_heads:
-        # Materializing the repeat keeps the reference obvious; the fused kernel never does this.
-        repeats = num_heads // num_kv_heads
-        k = k.repeat_interleave(repeats, dim=1)  # (B, Hq, N, D)
-        v = v.repeat_interleave(repeats, dim=1)  # (B, Hq, N, D)
-    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=num_kv_heads != num_heads)
 
 
 def _attention_triton(q, k, v, scale):

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")  # the HF rows are the reference the compari
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--presets", "tiny", "--models", "backbone", "--batches", "2", "--size", "32", "32",
-        "--impls", "hf,ours,ours-triton", "--warmup", "1", "--reps", "2", "--timeout", "120"]
+        "--impls", "hf,ours,ours-triton", "--warmup", "1", "--reps", "2", "--rounds", "2", "--timeout", "120"]
 
 
 def run_bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -35,7 +35,9 @@ def test_e2e_runs_and_writes_the_schema(tmp_path):
         r = rows[impl]
         assert r["status"] == "ok", r
         assert r["size"] == [32, 32] and r["batch"] == 2 and r["dtype"] == "fp32"
-        assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["iqr_ms"] >= 0 and len(r["times_ms"]) == 2
+        # two interleaved rounds of two timed calls each, pooled
+        assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["iqr_ms"] >= 0 and len(r["times_ms"]) == 4
+        assert r["rounds"] == 2 and len(r["round_medians_ms"]) == 2
         assert r["images_per_s"] == pytest.approx(2 / (r["median_ms"] / 1e3))
         assert r["peak_mb"] > 0 and r["rss_peak_mb"] is not None and r["flops"] > r["flops_attention"] > 0 and r["bytes"] > 0
         assert r["achieved_tflops"] > 0 and r["peak_fraction"] is None  # no peak fraction on CPU

@@ -65,7 +65,7 @@ def test_channels_last_head_matches_original_fixture(fixtures_dir, task):
     io = load_file(fixtures_dir / f"public_{task}.io.safetensors")
     image_size = tuple(json.loads((fixtures_dir / f"public_{task}.json").read_text())["image_size"])
     model = weights.load(fixtures_dir / f"public_{task}.safetensors", rope_dtype="float32", image_size=image_size)
-    model.decode_head.to(memory_format=torch.channels_last)
+    assert model.channels_last_head() is model
     with torch.inference_mode():
         outputs = run_task(model, io["pixel_values"])
     for name, got in zip(FIXTURE_OUTPUTS[task], outputs):
@@ -74,6 +74,10 @@ def test_channels_last_head_matches_original_fixture(fixtures_dir, task):
         assert err < TOL
     dense = outputs[0]
     assert dense.is_contiguous(memory_format=torch.channels_last) and not dense.is_contiguous()
+    if task != "albedo":  # (albedo's channel RMSNorm works on an NHWC view in either layout)
+        model.channels_last_head(False)  # and back: the default layout, op for op the original's
+        with torch.inference_mode():
+            assert run_task(model, io["pixel_values"])[0].is_contiguous()
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -86,6 +90,7 @@ def test_instance_norm_matches_torch_in_either_layout(inplace, layout):
         x = x.contiguous(memory_format=torch.channels_last)
     expected = torch.nn.functional.instance_norm(x.contiguous(), eps=1e-5)
     norm = heads.InstanceNorm(inplace=inplace)
+    norm.keep_channels_last = True
     with torch.no_grad():
         got = norm(x.clone(memory_format=torch.preserve_format))
     assert rel_err(got, expected) < (1e-6 if layout == "channels_last" else 1e-30)

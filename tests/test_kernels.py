@@ -222,6 +222,25 @@ ATTN_CASES = [  # (dtype, D, B, Hq, Hkv, N)
 ATTN_TOL = {torch.float32: (2e-5, 5e-5), torch.bfloat16: (2.5e-2, 4e-2), torch.float16: (2e-3, 4e-3)}
 
 
+@pytest.mark.parametrize("HQ,HKV", [(4, 4), (4, 2), (8, 2)])
+def test_attention_reference_is_the_formula(HQ, HKV):
+    """The reference (SDPA with enable_gqa) against softmax(q k^T * scale) v written out, with K and V
+    repeated explicitly (head h reads key/value head h // (HQ / HKV)): outputs and gradients, fp64."""
+    B, N, D = 2, 37, 16
+    leaves = [torch.randn(B, h, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(h + i),
+                          requires_grad=True) for i, h in enumerate((HQ, HKV, HKV))]
+    q, k, v = leaves
+    got = attention_reference(q, k, v, scale=0.3)
+    kr, vr = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k, v))
+    want = torch.softmax(q @ kr.transpose(-1, -2) * 0.3, dim=-1) @ vr
+    assert rel_err(got, want) < 1e-12
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g)):
+        assert rel_err(a, b) < 1e-12
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attention_reference(q, k[:, :1].expand(B, 3, N, D), v[:, :1].expand(B, 3, N, D))
+
+
 @pytest.mark.parametrize("dtype,D,B,HQ,HKV,N", ATTN_CASES)
 def test_attention_forward_backward(dtype, D, B, HQ, HKV, N):
     q, k, v = bnhd(B, HQ, N, D, dtype, 11), bnhd(B, HKV, N, D, dtype, 12), bnhd(B, HKV, N, D, dtype, 13)
