@@ -157,7 +157,8 @@ class InstanceNorm(nn.Module):
         self.keep_channels_last = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.keep_channels_last and x.is_contiguous(memory_format=torch.channels_last)) or x.is_contiguous():
+        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        if not (self.keep_channels_last and channels_last):
             return F.instance_norm(x, eps=self.eps)
         var, mean = torch.var_mean(x, dim=(-2, -1), keepdim=True, correction=0)
         rstd = (var + self.eps).rsqrt()
