@@ -457,12 +457,16 @@ def run_child(spec: dict) -> dict:
             result["rss_peak_mb"], result["rss_method"] = rss.peak_mb, rss.method
 
     torch.save(saved, spec["outputs"])
-    times_sorted = sorted(times)
-    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) >= 2 else (times[0],) * 3
-    result.update(median_ms=statistics.median(times), min_ms=times_sorted[0], max_ms=times_sorted[-1],
-                  iqr_ms=q3 - q1, times_ms=times, warmup=warmup, reps=spec["reps"],
-                  images_per_s=spec["batch"] / (statistics.median(times) / 1e3))
+    result.update(summarize_times(times, spec["batch"]), warmup=warmup, reps=spec["reps"])
     return result
+
+
+def summarize_times(times: list[float], batch: int) -> dict:
+    """Median, spread and throughput of the timed calls (milliseconds)."""
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) >= 2 else (times[0],) * 3
+    median = statistics.median(times)
+    return dict(times_ms=times, median_ms=median, min_ms=min(times), max_ms=max(times), iqr_ms=q3 - q1,
+                images_per_s=batch / (median / 1e3))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -584,22 +588,16 @@ def split_groups(jobs: list[dict]) -> list[list[dict]]:
     return groups
 
 
-def merge_rounds(results: list[dict]) -> dict:
+def merge_rounds(results: list[dict], batch: int) -> dict:
     """One row from the rounds of one job: the timed calls of all rounds pooled (median, IQR, min, max over
     all of them) and each round's median kept; memory, outputs and load times from the first round."""
-    first = dict(results[0])
     bad = next((r for r in results if r["status"] != "ok"), None)
-    if bad is not None:
-        return bad
-    if len(results) == 1:
-        return first
-    times = [t for r in results for t in r["times_ms"]]
-    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    median = statistics.median(times)
-    first.update(times_ms=times, median_ms=median, min_ms=min(times), max_ms=max(times), iqr_ms=q3 - q1,
-                 round_medians_ms=[r["median_ms"] for r in results], rounds=len(results),
-                 images_per_s=first["images_per_s"] * first["median_ms"] / median)
-    return first
+    if bad is not None or len(results) == 1:
+        return bad or results[0]
+    row = dict(results[0])
+    row.update(summarize_times([t for r in results for t in r["times_ms"]], batch),
+               round_medians_ms=[r["median_ms"] for r in results], rounds=len(results))
+    return row
 
 
 def compare_group(rows: list[dict]):
@@ -835,7 +833,7 @@ def main(argv=None) -> int:
                     flops_cache[fkey] = count_flops(*fkey)
                 row = {k: job[k] for k in ("preset", "model", "batch", "size", "dtype", "impl", "device")}
                 row.update(flops_cache[fkey])
-                row.update(merge_rounds(results[job_key(job)]))
+                row.update(merge_rounds(results[job_key(job)], job["batch"]))
                 group.append(row)
             # Compare as soon as a group is complete, so a wrong row shows while the run goes on.
             compare_group(group)
