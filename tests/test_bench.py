@@ -83,3 +83,18 @@ def test_cpu_allocation_peak_counts_live_tensors_exactly():
     # So the number is the peak of what the call's own allocations hold at once (8e6), an upper bound on
     # the net growth (4e6 here). A forward call frees nothing that existed before it, so there they agree.
     assert e2e.cpu_allocation_peak_mb(free_then_allocate) == pytest.approx(8e6 / 2**20, abs=1e-3)
+
+
+def test_rounds_pool_the_timed_calls_and_a_failed_round_fails_the_row():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import e2e
+
+    rounds = [{"status": "ok", "times_ms": [10.0, 12.0], "median_ms": 11.0, "peak_mb": 5.0},
+              {"status": "ok", "times_ms": [20.0, 22.0], "median_ms": 21.0, "peak_mb": 6.0}]
+    row = e2e.merge_rounds(rounds, batch=4)
+    assert row["times_ms"] == [10.0, 12.0, 20.0, 22.0] and row["median_ms"] == 16.0
+    assert row["round_medians_ms"] == [11.0, 21.0] and row["rounds"] == 2
+    assert row["images_per_s"] == pytest.approx(4 / 0.016) and row["peak_mb"] == 5.0  # memory: first round
+    failed = {"status": "timeout", "reason": "over 10 s"}
+    assert e2e.merge_rounds([rounds[0], failed], batch=4) is failed
+    assert e2e.merge_rounds(rounds[:1], batch=4) is rounds[0]
