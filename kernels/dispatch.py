@@ -7,7 +7,6 @@
                             if the op has no Triton version or triton does not import.
 """
 
-import functools
 import importlib.util
 import os
 
@@ -23,9 +22,9 @@ def requested_backend() -> str:
     return choice
 
 
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once at import (find_spec locates the package without importing it). A plain constant rather
+# than a cached function: torch.compile traces straight through it, with no warning about the cache.
+TRITON_FOUND = importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -41,10 +40,10 @@ def use_triton(op_name: str, has_triton_version: bool, *tensors: torch.Tensor) -
     if choice == "triton":
         if not has_triton_version:
             raise RuntimeError(f"SAPIENS2_KERNELS=triton, but {op_name} has no Triton implementation yet")
-        if not triton_available():
+        if not TRITON_FOUND:
             raise RuntimeError(f"SAPIENS2_KERNELS=triton, but triton does not import (needed for {op_name})")
         if not all(t.is_cuda for t in tensors) and not interpreting():
             raise RuntimeError(f"SAPIENS2_KERNELS=triton with CPU tensors ({op_name}) needs TRITON_INTERPRET=1 "
                                "in the environment before triton is first imported")
         return True
-    return has_triton_version and triton_available() and all(t.is_cuda for t in tensors)
+    return has_triton_version and TRITON_FOUND and all(t.is_cuda for t in tensors)
