@@ -335,10 +335,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w12(x).chunk(2, dim=-1)  # (B, N, F) each, views of one (B, N, 2F) tensor
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # (torch.compile fuses silu * up into one kernel anyway; in place would only make it copy)
             return self.w3(F.silu(gate) * up)
-        # Inference: the same ops in place in w12's output, so the block's peak stays at the 2F it already
-        # holds (out of place adds silu's F and the product's F: the largest activations of the model).
+        # Eager inference: the same ops in place in w12's output, so the block's peak stays at the 2F it
+        # already holds (out of place adds silu's F and the product's F: the largest activations of the model).
         return self.w3(F.silu(gate, inplace=True).mul_(up))
 
 
