@@ -263,7 +263,7 @@ class PointmapHead(PixelShuffleHead):
                 f"the pointmap scale branch was built for a {h}x{w} feature map (config.image_size), got "
                 f"{tuple(features.shape[-2:])}: run the pointmap model at the image size it was built for"
             )
-        return super().forward(features), self.scale_final_layer(self.scale_conv_layers(features))
+        return super().forward(features), run_in_order([*self.scale_conv_layers, *self.scale_final_layer], features)
 
 
 def build_head(config: HeadConfig, in_channels: int, feature_size: tuple[int, int]) -> nn.Module:

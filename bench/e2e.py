@@ -449,8 +449,7 @@ def run_child(spec: dict) -> dict:
             result["memory_method"] = "cuda: max_memory_allocated during one call - memory_allocated before"
             del out
         else:
-            _release_free_memory()
-            result["peak_mb"] = cpu_allocation_peak_mb(forward)
+            result["peak_mb"] = cpu_allocation_peak_mb(forward)  # allocator events: no gc/trim needed first
             result["memory_method"] = "cpu: torch.profiler allocation timeline, peak held by one call's allocations"
             with CpuRssPeak() as rss:
                 forward()

@@ -93,7 +93,10 @@ def test_instance_norm_matches_torch_in_either_layout(inplace, layout):
     norm.keep_channels_last = True
     with torch.no_grad():
         got = norm(x.clone(memory_format=torch.preserve_format))
-    assert rel_err(got, expected) < (1e-6 if layout == "channels_last" else 1e-30)
+    if layout == "channels_last":
+        assert rel_err(got, expected) < 1e-6  # var_mean + sub/mul: a different summation order than torch's
+    else:
+        assert torch.equal(got, expected)  # torch's own kernel
     assert got.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
 
     leaf = x.clone(memory_format=torch.preserve_format).requires_grad_()  # training: never in place
