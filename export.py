@@ -1,0 +1,403 @@
+"""Export a Sapiens2 model as a deployable artifact, and check it against eager PyTorch before keeping it.
+
+    python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16] [--dynamic-batch]
+    python export.py features --model 1b --format torch-export -o backbone-1b.pt2
+
+The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `processing.preprocess` makes it (any
+--dtype casts it inside), and returns the task's tensors by name (OUTPUTS). Post-processing stays in Python
+(processing.py); the README shows the lines for an ONNX model.
+
+Formats
+  onnx          torch.onnx.export(dynamo=True) at opset 18 (ONNX Runtime >= 1.14, TensorRT 10); needs onnx,
+                onnxscript and onnxruntime (export-time dependencies, not runtime ones). Files over 2 GB keep
+                their weights beside them in NAME.onnx.data.
+  torch-export  a torch.export program, torch.export.save (load with torch.export.load(path).module()).
+  aoti          an AOTInductor package (torch._inductor.aoti_compile_and_package; needs a C++ compiler),
+                load with torch._inductor.aoti_load_package(path).
+
+Numerics
+  * The graph runs the PyTorch reference kernels (SAPIENS2_KERNELS=torch while tracing), never Triton.
+  * The RoPE tables are constants of the graph (computed by eager PyTorch before tracing), so the bf16 tables
+    of the default convention are bit-identical to eager's.
+  * bf16 RoPE survives ONNX exactly: ONNX Runtime's CPU provider has no bf16 Mul/Add, so each bf16
+    elementwise op of the graph becomes cast-to-fp32, the op, cast-to-bf16 (emulate_bf16_arithmetic). That is
+    what PyTorch computes for a bf16 op (the op in fp32, rounded to nearest even: products of two bf16 values
+    are exact in fp32), so the rounding after every step is kept.
+  * After writing, the artifact runs once on a random input (batch 2 with --dynamic-batch, else 1) next to the
+    eager model (same dtype, same kernels); the max relative difference max|a - e| / max|e| of each output is
+    printed, and above TOLERANCE[dtype] the file is removed and the exit status is 1.
+Files are written to a temporary folder beside the output and moved into place only after the check passes.
+Exit status: 0 written and checked, 1 the check failed (nothing written), 2 bad arguments or missing packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import heads
+import weights
+from predict import model_source
+from sapiens2 import Sapiens2
+
+TASKS = ("pose", "seg", "normal", "pointmap", "matting", "albedo", "features")
+# The outputs of each task, in the order of the artifact's outputs (names of the task model's output fields).
+OUTPUTS = {
+    "pose": ("heatmaps",), "seg": ("logits",), "normal": ("normals",), "pointmap": ("pointmaps", "scales"),
+    "matting": ("alphas", "foregrounds"), "albedo": ("albedo",), "features": ("cls", "features"),
+}
+FORMATS = {"onnx": ".onnx", "torch-export": ".pt2", "aoti": ".pt2"}
+# The dynamo exporter's own default and the lowest opset it emits natively; every op of these models exists
+# there without the newer fused ops (RMSNormalization, Attention: opset 23) that TensorRT 10 may not parse.
+ONNX_OPSET = 18
+# Max relative difference artifact vs eager (max |a - e| / max |e|, per output). fp32: ONNX Runtime's
+# kernels sum in another order than PyTorch's (measured ~1e-6). fp16/bf16: the artifact may keep
+# intermediates in fp32 where eager rounds them (ONNX Runtime's CPU provider computes fp16 ops in fp32),
+# so the bound is a few units of the dtype's rounding after ~20-60 blocks (measured in tests/test_export.py).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+ONNX_PACKAGES = "pip install onnx onnxscript onnxruntime"
+
+
+class UsageError(Exception):
+    """Bad arguments or environment: exit status 2, one line on stderr."""
+
+
+class CheckFailed(Exception):
+    """The artifact does not reproduce eager within the tolerance: exit status 1."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The exported module
+# ----------------------------------------------------------------------------------------------------
+
+
+class ExportWrapper(nn.Module):
+    """pixel_values -> {name: tensor}, OUTPUTS[task] in order: plain tensors that every format can carry."""
+
+    def __init__(self, model: nn.Module, task: str):
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.model(pixel_values)
+        return {name: getattr(out, name) for name in OUTPUTS[self.task]}
+
+
+def load_model(task: str, source: str | None, dtype: torch.dtype, rope: str) -> nn.Module:
+    """Any source weights.load accepts; a size (0.4b) means that task's released checkpoint, as in predict.py.
+    `features` takes the backbone of any checkpoint, pretrain or task."""
+    source = model_source(task, source, {})
+    try:
+        model = weights.load(source, dtype=dtype, task=None if task == "features" else task, rope_dtype=rope)
+    except (FileNotFoundError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    if task == "features" and isinstance(model, heads.Sapiens2ForTask):
+        model = model.backbone
+    return model.eval()
+
+
+def backbone_of(model: nn.Module) -> Sapiens2:
+    return model if isinstance(model, Sapiens2) else model.backbone
+
+
+def check_size(model: nn.Module, task: str, size: tuple[int, int]):
+    config = backbone_of(model).config
+    try:
+        backbone_of(model).check_input(torch.empty(1, 3, *size, device="meta"))
+    except ValueError as error:
+        raise UsageError(f"--size: {error}") from None
+    if task == "pointmap" and tuple(size) != tuple(config.image_size):
+        h, w = config.image_size
+        raise UsageError(f"--size {size[0]}x{size[1]}: the pointmap scale branch was built for {h}x{w} inputs "
+                         f"(its MLP's width fixes the size); export it at {h}x{w}")
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    """The PyTorch reference kernels, whatever the device: Triton kernels do not trace into ONNX or export."""
+    previous = os.environ.get("SAPIENS2_KERNELS")
+    os.environ["SAPIENS2_KERNELS"] = "torch"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["SAPIENS2_KERNELS"]
+        else:
+            os.environ["SAPIENS2_KERNELS"] = previous
+
+
+def example_input(batch: int, size: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(seed))
+
+
+def describe(task: str, source: str, model: nn.Module, size, dtype: torch.dtype, dynamic_batch: bool) -> dict:
+    """What the artifact is, stored inside it (ONNX metadata_props / a file in the .pt2)."""
+    config = backbone_of(model).config
+    return {
+        "task": task, "source": source, "outputs": list(OUTPUTS[task]), "dtype": str(dtype).replace("torch.", ""),
+        "input": f"pixel_values ({'B' if dynamic_batch else 1}, 3, {size[0]}, {size[1]}) float32, normalized RGB",
+        "rope_dtype": config.rope_dtype, "sapiens2_config": config.to_dict(),
+        "head_config": model.head_config.to_dict() if isinstance(model, heads.Sapiens2ForTask) else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Formats: write (into a temporary folder) and run
+# ----------------------------------------------------------------------------------------------------
+
+
+def batch_dim(dynamic_batch: bool):
+    return ({0: torch.export.Dim("batch")},) if dynamic_batch else None
+
+
+def export_onnx(wrapper: ExportWrapper, example: torch.Tensor, path: Path, dynamic_batch: bool, info: dict):
+    with torch.no_grad(), reference_kernels(), quiet_exporter():
+        program = torch.onnx.export(
+            wrapper, (example,), dynamo=True, opset_version=ONNX_OPSET, input_names=["pixel_values"],
+            output_names=list(OUTPUTS[wrapper.task]), dynamic_shapes=batch_dim(dynamic_batch), verbose=False,
+        )
+    emulate_bf16_arithmetic(program.model)
+    program.model.metadata_props.update({"sapiens2": json.dumps(info)})
+    program.save(str(path))  # weights go to NAME.onnx.data beside it when the model exceeds 2 GB
+
+
+@contextlib.contextmanager
+def quiet_exporter():
+    """The exporter's notes about torchvision ops (this project has none) and deprecations inside torch."""
+    exporter_log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = exporter_log.level
+    exporter_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        exporter_log.setLevel(level)
+
+
+BF16_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Neg")
+
+
+def emulate_bf16_arithmetic(model) -> int:
+    """Rewrite each bf16 elementwise op (the RoPE rotation of an fp32/fp16 model) as
+    Cast(fp32) -> op -> Cast(bf16). Exact: PyTorch computes a bf16 op in fp32 and rounds the result to nearest
+    even, which is what ONNX's Cast does (round to nearest even in ONNX Runtime; tests/test_export.py).
+    Returns the number of ops rewritten."""
+    import onnx_ir as ir
+
+    bf16, fp32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    rewritten = 0
+    for node in list(model.graph):
+        if node.op_type not in BF16_ELEMENTWISE or node.domain not in ("", "ai.onnx"):
+            continue
+        if not all(v.dtype == bf16 for v in (*node.inputs, *node.outputs)):
+            continue
+        widened = [ir.node("Cast", [v], {"to": fp32}) for v in node.inputs]
+        for cast, value in zip(widened, node.inputs):
+            cast.outputs[0].dtype, cast.outputs[0].shape = fp32, value.shape
+        op = ir.node(node.op_type, [c.outputs[0] for c in widened])
+        op.outputs[0].dtype = fp32
+        rounded = ir.node("Cast", op.outputs, {"to": bf16})
+        ir.convenience.replace_nodes_and_values(model.graph, node, [node], [*widened, op, rounded],
+                                                list(node.outputs), list(rounded.outputs))
+        rewritten += 1
+    return rewritten
+
+
+def run_onnx(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, (torch.from_numpy(a) for a in session.run(None, {"pixel_values": pixel_values.numpy()}))))
+
+
+def export_program(wrapper: ExportWrapper, example: torch.Tensor, dynamic_batch: bool):
+    with torch.no_grad(), reference_kernels():
+        return torch.export.export(wrapper, (example,), dynamic_shapes=batch_dim(dynamic_batch))
+
+
+def export_torch(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
+    torch.export.save(export_program(wrapper, example, dynamic_batch), str(path),
+                      extra_files={"sapiens2.json": json.dumps(info)})
+
+
+def run_torch(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return torch.export.load(str(path)).module()(pixel_values)
+
+
+def export_aoti(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
+    program = export_program(wrapper, example, dynamic_batch)
+    with torch.no_grad():
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+
+
+def run_aoti(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return torch._inductor.aoti_load_package(str(path))(pixel_values)
+
+
+WRITERS = {"onnx": (export_onnx, run_onnx), "torch-export": (export_torch, run_torch), "aoti": (export_aoti, run_aoti)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Check against eager
+# ----------------------------------------------------------------------------------------------------
+
+
+def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64 (the project's parity measure)."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def compare(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    if list(outputs) != list(expected):
+        raise CheckFailed(f"the artifact returns {list(outputs)}, expected {list(expected)}")
+    differences = {}
+    for name, want in expected.items():
+        got = outputs[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckFailed(f"{name}: the artifact gives shape {tuple(got.shape)}, eager {tuple(want.shape)}")
+        differences[name] = relative_difference(got, want)
+    return differences
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing safely
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_output_path(path: Path, fmt: str):
+    if path.suffix != FORMATS[fmt]:
+        raise UsageError(f"-o {path}: a {fmt} file should end in {FORMATS[fmt]}, e.g. -o {path.with_suffix(FORMATS[fmt])}")
+    if path.is_dir():
+        raise UsageError(f"-o {path} is a folder; give a file name, e.g. -o {path / ('model' + FORMATS[fmt])}")
+    existing = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"-o {path}: cannot create its folder, {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"-o {path}: not writable ({existing}); choose another location")
+
+
+@contextlib.contextmanager
+def staging_folder(path: Path):
+    """A temporary folder beside `path`; its files are moved beside `path` only when the block succeeds
+    (a rename on the same file system), and it is removed in every case: a failed or interrupted export
+    leaves nothing, and an existing file of that name is only replaced by a checked one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield staging
+        for item in sorted(staging.iterdir()):
+            os.replace(item, path.parent / item.name)
+        stale = path.with_name(path.name + ".data")  # weights of an earlier, bigger export of that name
+        if not (staging / stale.name).exists() and stale.exists() and path.suffix == ".onnx":
+            stale.unlink()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)[x,](\d+)", text.strip())
+    if not match or int(match[1]) == 0 or int(match[2]) == 0:
+        raise argparse.ArgumentTypeError(f"size must be HEIGHTxWIDTH, e.g. 1024x768, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="export.py", description="Export a Sapiens2 model (ONNX, torch.export, AOTInductor), checked against eager.")
+    parser.add_argument("task", choices=TASKS)
+    parser.add_argument("--model", metavar="SOURCE",
+                        help="a size (0.4b: the task's released checkpoint; the default, 1b for matting), a task "
+                             "preset (seg-1b), a .safetensors file, a folder or a hub id")
+    parser.add_argument("--format", choices=list(FORMATS), default="onnx")
+    parser.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="NAME.onnx or NAME.pt2")
+    parser.add_argument("--size", type=parse_size, metavar="HxW", help="fixed input size (default: the model's, 1024x768)")
+    parser.add_argument("--dtype", choices=["fp32", "float32", "fp16", "float16", "bf16", "bfloat16"], default="fp32",
+                        help="weights and compute (the input stays float32); ONNX: fp32 or fp16")
+    parser.add_argument("--dynamic-batch", action="store_true", help="a dynamic batch axis (default: batch 1)")
+    parser.add_argument("--rope", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="RoPE precision: bfloat16 as trained (default); float32 as HF transformers")
+    return parser
+
+
+def check_packages(fmt: str, dtype: torch.dtype):
+    if fmt == "onnx":
+        for name in ("onnx", "onnxscript", "onnxruntime"):
+            try:
+                __import__(name)
+            except ImportError:
+                raise UsageError(f"--format onnx needs {name}: {ONNX_PACKAGES}") from None
+        if dtype == torch.bfloat16:
+            raise UsageError("--format onnx --dtype bf16: ONNX Runtime has no bf16 kernels to check it with (and "
+                             f"opset {ONNX_OPSET} has no bf16 Conv); export fp32 and let TensorRT build bf16 "
+                             "(trtexec --bf16), or use --format torch-export")
+    if fmt == "aoti" and not hasattr(torch._inductor, "aoti_compile_and_package"):
+        raise UsageError(f"--format aoti needs torch >= 2.6 (this is {torch.__version__}); use --format torch-export")
+
+
+def export(args) -> dict[str, float]:
+    dtype = weights.parse_dtype(args.dtype)
+    check_packages(args.format, dtype)
+    path = args.output
+    check_output_path(path, args.format)
+    model = load_model(args.task, args.model, dtype, args.rope)
+    size = tuple(args.size or backbone_of(model).config.image_size)
+    check_size(model, args.task, size)
+    wrapper = ExportWrapper(model, args.task).eval()
+    example = example_input(2 if args.dynamic_batch else 1, size)
+    with torch.no_grad(), reference_kernels():
+        expected = wrapper(example)  # also fills the RoPE table cache: the tables become graph constants
+    write, run = WRITERS[args.format]
+    info = describe(args.task, model_source(args.task, args.model, {}), model, size, dtype, args.dynamic_batch)
+    with staging_folder(path) as staging:
+        print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
+              f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {args.rope}) to {args.format} ...",
+              file=sys.stderr)
+        write(wrapper, example, staging / path.name, args.dynamic_batch, info)
+        differences = compare(run(staging / path.name, example), expected)
+        tolerance = TOLERANCE[dtype]
+        summary = ", ".join(f"{name} {d:.2e}" for name, d in differences.items())
+        print(f"max relative difference vs eager ({info['dtype']}, tolerance {tolerance:.0e}): {summary}")
+        if not all(d <= tolerance for d in differences.values()):  # (NaN fails too)
+            raise CheckFailed(f"the {args.format} artifact differs from eager by more than {tolerance:.0e}: "
+                              f"{path} not written")
+    print(f"wrote {path}", file=sys.stderr)
+    return differences
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        export(args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except CheckFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
