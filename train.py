@@ -127,7 +127,7 @@ def parse_args(argv) -> argparse.Namespace:
         what = ", ".join(f"--{k.replace('_', '-')}" for k in changed) or f"the task ({saved['task']})"
         parser.error(f"--resume continues the run in {args.out} as it was started; {what} cannot change")
     for key, value in saved.items():
-        if key not in given and key not in ("resume", "out", "data"):
+        if key not in given and key not in ("resume", "out", "data", "stop_at"):
             setattr(args, key, tuple(value) if key == "size" and value else value)
     return args
 
@@ -137,8 +137,8 @@ def explicit_options(parser: argparse.ArgumentParser, argv) -> set[str]:
     probe = argparse.ArgumentParser(add_help=False)
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
-            probe.add_argument(*action.option_strings, dest=action.dest, default=argparse.SUPPRESS,
-                               **({"nargs": 0, "action": "store_const", "const": True} if action.nargs == 0 else {}))
+            extra = {"action": "store_const", "const": True} if action.nargs == 0 else {}
+            probe.add_argument(*action.option_strings, dest=action.dest, default=argparse.SUPPRESS, **extra)
     known, _ = probe.parse_known_args(argv)
     return set(vars(known))
 
