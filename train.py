@@ -31,6 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import heads
+import processing
 import train_data
 import weights
 from sapiens2 import PRESETS, Sapiens2
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
     p.add_argument("--eval-every", type=int, default=1000, help="evaluate on val/ every N steps (and at the end; 0 = end only)")
     p.add_argument("--log-every", type=int, default=10, help="log.jsonl line every N steps (default 10)")
-    p.add_argument("--workers", type=int, default=4, help="data loading processes per training process")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="data loading processes per training process (default: 4, at most the CPU count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -182,6 +184,10 @@ class Distributed:
 # ----------------------------------------------------------------------------------------------------
 # The model: a checkpoint's backbone + its head (continued) or a new one
 # ----------------------------------------------------------------------------------------------------
+class ModelError(ValueError):
+    """--model cannot be loaded; the message says why."""
+
+
 def preset_size(config) -> str | None:
     """The released size whose shapes this backbone has, if any."""
     for name, preset in PRESETS.items():
@@ -216,7 +222,11 @@ def new_head_config(task: str, out_channels: int, config, widths, like: heads.He
 
 def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
     """Load --model, keep its backbone, continue or replace its head; returns a training-mode fp32 model."""
-    loaded = weights.load(args.out if args.resume else args.model)
+    source = args.out if args.resume else args.model
+    try:
+        loaded = weights.load(source)
+    except (ValueError, OSError) as error:  # not found, not downloadable, not a Sapiens2 checkpoint
+        raise ModelError(f"--model {source}: {error}") from None
     backbone = loaded if isinstance(loaded, Sapiens2) else loaded.backbone
     config = backbone.config
     if args.size is not None:
@@ -444,25 +454,27 @@ def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> 
 # Progress and log
 # ----------------------------------------------------------------------------------------------------
 class Progress:
-    def __init__(self, total: int, start: int, enabled: bool, stream=sys.stderr):
-        self.total, self.start, self.enabled, self.stream = total, start, enabled, stream
+    """The bar (step, loss, lr, images/s, ETA) when `bar`; notes always, from the main process."""
+
+    def __init__(self, total: int, start: int, main: bool, bar: bool = True, stream=None):
+        self.total, self.start, self.stream = total, start, stream or sys.stderr
+        self.enabled, self.bar = main, main and bar
         self.began = time.perf_counter()
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
 
     def update(self, step: int, loss: float, lr: float, images_per_s: float):
-        if not self.enabled:
+        if not self.bar:
             return
         done = step - self.start
         elapsed = time.perf_counter() - self.began
         eta = elapsed / max(done, 1) * (self.total - step)
         line = (f"step {step}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  {images_per_s:.1f} img/s  "
                 f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
-        if self.tty:
-            print(f"\r{line}", end="", file=self.stream, flush=True)
+        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=self.stream, flush=True)
 
     def note(self, message: str):
         if self.enabled:
-            print(("\n" if self.tty else "") + message, file=self.stream, flush=True)
+            print(("\n" if self.bar and self.tty else "") + message, file=self.stream, flush=True)
 
 
 class Log:
@@ -498,10 +510,13 @@ def forward_loss(model, batch: dict, task: str):
 
 @torch.no_grad()
 def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
+    model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     model.eval()
     metric = train_data.Metric(args.task, info)
-    for indices, valid in eval_batches(len(dataset), args.batch_size, dist_info):
-        batch = train_data.collate([dataset[(i, 0)] for i in indices])
+    rows = list(eval_batches(len(dataset), args.batch_size, dist_info))
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=[[(i, 0) for i in indices] for indices, _ in rows],
+                                         collate_fn=train_data.collate, num_workers=args.workers)
+    for (_, valid), batch in zip(rows, loader):
         with autocast(args, dist_info.device):
             output = model(batch["pixel_values"].to(dist_info.device))
         metric.update(output, batch, valid)
@@ -510,96 +525,122 @@ def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
     return metric.result()
 
 
-def train(args) -> int:
-    dist_info = Distributed(args.device)
-    out = Path(args.out)
-    progress = Progress(0, 0, args.progress and dist_info.main)
-    try:
-        info = train_data.dataset_info(args.task, Path(args.data))
-        model = build_model(args, info, progress.note)
+class Run:
+    """Everything a training run holds, built once (setup) and stepped (loop)."""
+
+    def __init__(self, args, argv):
+        self.args, self.argv = args, argv
+        self.dist = Distributed(args.device)
+        self.out = Path(args.out)
+        self.notes = []
+
+    def note(self, message: str):
+        self.notes.append(message)
+        Progress(0, 0, self.dist.main).note(message)
+
+    def setup(self):
+        args, dist_info = self.args, self.dist
+        self.info = train_data.dataset_info(args.task, Path(args.data))
+        model = build_model(args, self.info, self.note)
         size = tuple(model.config.image_size)
-        train_set = train_data.build_dataset(args.task, Path(args.data), "train", size, args.augment, info)
-        val_set = train_data.build_dataset(args.task, Path(args.data), "val", size, False, info)
-    except train_data.DataError as error:
+        self.train_set = train_data.build_dataset(args.task, Path(args.data), "train", size, args.augment, self.info)
+        self.val_set = train_data.build_dataset(args.task, Path(args.data), "val", size, False, self.info)
+        self.global_batch = args.batch_size * dist_info.world * args.accumulate
+        if len(self.train_set) < self.global_batch:
+            raise train_data.DataError(
+                f"train/ has {len(self.train_set)} samples, fewer than the global batch {self.global_batch} "
+                f"(--batch-size {args.batch_size} x {dist_info.world} processes x --accumulate {args.accumulate})")
+        steps_per_epoch = len(self.train_set) // self.global_batch
+        self.total = args.steps or max(1, round((args.epochs or 10) * steps_per_epoch))
+        self.warmup = args.warmup if args.warmup is not None else min(500, self.total // 20)
+        self.stop = min(self.total, args.stop_at) if args.stop_at else self.total
+        if args.freeze_backbone:
+            model.backbone.requires_grad_(False)
+        if args.checkpoint_activations:
+            checkpoint_activations(model)
+        self.model = wrap(model, args, dist_info)
+        groups = parameter_groups(unwrapped(self.model), args)
+        self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+        self.start = load_training_state(self.out, self.model, self.optimizer, dist_info) if args.resume else 0
+        if not args.resume:
+            torch.manual_seed(args.seed + dist_info.rank)  # dropout / drop-path, if configured
+        if dist_info.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.note(f"{args.task}: {len(self.train_set)} training samples, {len(self.val_set) if self.val_set else 0} "
+                  f"validation; global batch {self.global_batch}, steps {self.start} -> {self.stop} of {self.total}, "
+                  f"{dist_info.world} process(es) on {dist_info.device}{', FSDP' if args.fsdp else ''}")
+
+    def loop(self):
+        args, dist_info, model, optimizer = self.args, self.dist, self.model, self.optimizer
+        progress = Progress(self.total, self.start, dist_info.main, args.progress)
+        log = Log(self.out, dist_info.main)
+        log.write({"start": self.start, "argv": self.argv, "notes": self.notes})
+        sampler = StepSampler(len(self.train_set), args, dist_info, self.start, self.stop)
+        loader = torch.utils.data.DataLoader(self.train_set, batch_sampler=sampler, collate_fn=train_data.collate,
+                                             num_workers=args.workers, pin_memory=dist_info.device.type == "cuda")
+        batches = iter(loader)
+        params = [p for p in model.parameters() if p.requires_grad]
+        losses, window_start = [], time.perf_counter()
+        for step in range(self.start, self.stop):
+            lr = learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            loss = sum(self.micro_step(model, next(batches), micro) for micro in range(args.accumulate))
+            if args.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss)
+            done = step + 1
+            if done % args.log_every == 0 or done == self.stop:
+                mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
+                rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
+                log.write({"step": done, "loss": mean.item() / dist_info.world, "lr": lr, "images_per_s": rate})
+                progress.update(done, mean.item() / dist_info.world, lr, rate)
+                losses, window_start = [], time.perf_counter()
+            if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
+                metrics = evaluate(model, self.val_set, args, self.info, dist_info)
+                log.write({"step": done, "eval": metrics})
+                progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if (args.save_every and done % args.save_every == 0) or done == self.stop:
+                save_checkpoint(self.out, model, optimizer, done, args, self.info, dist_info)
+        progress.note(f"saved {self.out / 'model.safetensors'} at step {self.stop}" + (
+            "" if self.stop == self.total else f"; continue with --resume (step {self.stop} of {self.total})"))
+
+    def micro_step(self, model, batch, micro: int) -> float:
+        """Forward + backward of one micro-batch; gradients are synchronized after the last one only."""
+        args = self.args
+        batch = to_device(batch, self.dist.device)
+        last = micro == args.accumulate - 1
+        if args.fsdp:
+            model.set_requires_gradient_sync(last)
+        skip_sync = not last and hasattr(model, "no_sync")  # DDP
+        with (model.no_sync() if skip_sync else contextlib.nullcontext()), autocast(args, self.dist.device):
+            loss = forward_loss(model, batch, args.task).loss / args.accumulate
+        loss.backward()
+        return loss.detach().float().item()
+
+
+USER_ERRORS = (train_data.DataError, processing.ImageLoadError, FileNotFoundError, ModelError)
+
+
+def train(args, argv=None) -> int:
+    run = Run(args, argv)
+    try:
+        run.setup()
+        run.loop()
+    except USER_ERRORS as error:  # bad data or checkpoint: the message names the file
         print(f"error: {error}", file=sys.stderr)
-        dist_info.close()
         return 2
-    global_batch = args.batch_size * dist_info.world * args.accumulate
-    if len(train_set) < global_batch:
-        print(f"error: train/ has {len(train_set)} samples, fewer than the global batch {global_batch} "
-              f"(--batch-size {args.batch_size} x {dist_info.world} processes x --accumulate {args.accumulate})",
-              file=sys.stderr)
-        dist_info.close()
-        return 2
-    steps_per_epoch = len(train_set) // global_batch
-    total = args.steps or max(1, round((args.epochs or 10) * steps_per_epoch))
-    warmup = args.warmup if args.warmup is not None else min(500, total // 20)
-    stop = min(total, args.stop_at) if args.stop_at else total
-
-    if args.freeze_backbone:
-        model.backbone.requires_grad_(False)
-    if args.checkpoint_activations:
-        checkpoint_activations(model)
-    model = wrap(model, args, dist_info)
-    groups = parameter_groups(unwrapped(model), args)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    start = load_training_state(out, model, optimizer, dist_info) if args.resume else 0
-    if not args.resume:
-        torch.manual_seed(args.seed + dist_info.rank)
-    progress = Progress(total, start, args.progress and dist_info.main)
-    log = Log(out, dist_info.main)
-    if dist_info.main:
-        out.mkdir(parents=True, exist_ok=True)
-    progress.note(f"{args.task}: {len(train_set)} training samples, {len(val_set) if val_set else 0} validation; "
-                  f"global batch {global_batch}, steps {start} -> {stop} of {total}, {dist_info.world} process(es) "
-                  f"on {dist_info.device}{', FSDP' if args.fsdp else ''}")
-
-    sampler = StepSampler(len(train_set), args, dist_info, start, stop)
-    loader = torch.utils.data.DataLoader(train_set, batch_sampler=sampler, collate_fn=train_data.collate,
-                                         num_workers=args.workers, pin_memory=dist_info.device.type == "cuda")
-    batches = iter(loader)
-    params = [p for p in model.parameters() if p.requires_grad]
-    running, running_steps, window_start, window_images = 0.0, 0, time.perf_counter(), 0
-    for step in range(start, stop):
-        lr = learning_rate(step, total, warmup, args.lr, args.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group["lr_scale"]
-        for micro in range(args.accumulate):
-            batch = to_device(next(batches), dist_info.device)
-            sync = micro == args.accumulate - 1 or not hasattr(model, "no_sync")
-            with (contextlib.nullcontext() if sync else model.no_sync()), autocast(args, dist_info.device):
-                loss = forward_loss(model, batch, args.task).loss / args.accumulate
-            loss.backward()
-            running += loss.detach().float().item()
-        if args.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        window_images += global_batch
-        done = step + 1
-        if done % args.log_every == 0 or done == stop:
-            loss_value = dist_info.all_reduce(torch.tensor([running / (done - max(start, done - args.log_every) or 1)],
-                                                           dtype=torch.float64)).item() / dist_info.world
-            rate = window_images / (time.perf_counter() - window_start)
-            log.write({"step": done, "loss": loss_value, "lr": lr, "images_per_s": rate})
-            progress.update(done, loss_value, lr, rate)
-            running, running_steps, window_start, window_images = 0.0, 0, time.perf_counter(), 0
-        if val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == total):
-            metrics = evaluate(model, val_set, args, info, dist_info)
-            log.write({"step": done, "eval": metrics})
-            progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        if (args.save_every and done % args.save_every == 0) or done == stop:
-            save_checkpoint(out, model, optimizer, done, args, info, dist_info)
-    progress.note(f"saved {out / 'model.safetensors'} at step {stop}" + ("" if stop == total else
-                  f"; continue with --resume (step {stop} of {total})"))
-    dist_info.close()
+    finally:
+        run.dist.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    return train(args)
+    return train(args, argv)
 
 
 if __name__ == "__main__":

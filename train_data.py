@@ -128,6 +128,18 @@ def paired_files(folder: Path, kind: str, suffix: str, names, required: bool = T
     return files
 
 
+def header_size(path: Path) -> tuple[int, ...]:
+    """(H, W) of an image, or the shape of a .npy array, without reading the data."""
+    try:
+        if path.suffix == ".npy":
+            return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
+        with Image.open(path) as image:
+            image = processing.ImageOps.exif_transpose(image) if path.parent.name == "images" else image
+            return (image.height, image.width)
+    except (OSError, ValueError) as error:
+        raise DataError(f"{path}: cannot read it ({error})") from None
+
+
 def read_png(path: Path, mode: str) -> np.ndarray:
     try:
         with Image.open(path) as image:
@@ -226,7 +238,7 @@ def fit_intrinsics(points: np.ndarray, valid: np.ndarray, path: Path) -> torch.T
 class DenseDataset:
     """seg, normal, pointmap, matting, albedo: one sample per image."""
 
-    def __init__(self, task: str, folder: Path, size: tuple[int, int], augment: bool, num_classes: int | None = None):
+    def __init__(self, task: str, folder: Path, size: tuple[int, int], augment: bool, class_names=None):
         self.task, self.folder, self.size, self.augment = task, Path(folder), tuple(size), augment
         self.images = list_images(self.folder)
         self.names = list(self.images)
@@ -234,8 +246,27 @@ class DenseDataset:
         self.masks = None
         if task in ("normal", "pointmap"):
             self.masks = paired_files(self.folder, "masks", ".png", self.names, required=False)
-        self.num_classes = num_classes
+        self.num_classes = len(class_names) if class_names else None
+        if class_names:  # a flip swaps left and right classes (L_Hand <-> R_Hand), as the original
+            self.class_flip = torch.arange(256)
+            self.class_flip[:len(class_names)] = flip_order(len(class_names), flip_pairs_from_names(class_names))
         self.intrinsics = read_intrinsics(self.folder, self.names) if task == "pointmap" else None
+        self.check_sizes()
+
+    def check_sizes(self):
+        """Every target (and mask) has its image's size: read from the file headers, so a mismatch is found
+        before training starts and not at step 5000 (class ids and values are checked when read)."""
+        for name, image_path in self.images.items():
+            size = header_size(image_path)
+            for path in (self.targets[name], self.masks[name] if self.masks else None):
+                if path is None:
+                    continue
+                found = header_size(path)
+                if path.suffix == ".npy" and found != (*size, 3):
+                    raise DataError(f"{path}: shape {found}, expected {(*size, 3)} ((H, W, 3) for {image_path}, "
+                                    f"{size[0]}x{size[1]})")
+                if path.suffix != ".npy" and found != size:
+                    raise DataError(f"{path}: size {found[0]}x{found[1]}, but {image_path} is {size[0]}x{size[1]}")
 
     def __len__(self) -> int:
         return len(self.names)
@@ -265,7 +296,10 @@ class DenseDataset:
             mask = mask.flip(-1) if mask is not None else None
             if self.task in ("normal", "pointmap"):
                 target[0] = -target[0]  # mirrored camera frame: x points the other way
+            if self.task == "seg":
+                target = self.class_flip[target.long()].float()
         self.finish(sample, target, mask, K, box, flip)
+        sample["flipped"] = torch.tensor(flip)
         return sample
 
     def read_target(self, name: str, image_size):
@@ -353,7 +387,7 @@ def read_classes(root: Path) -> list[str]:
 # Pose: COCO keypoints, top-down crops, UDP heatmaps
 # ----------------------------------------------------------------------------------------------------
 def flip_pairs_from_names(names: list[str]) -> list[list[int]]:
-    """Left/right pairs from `left_*`/`right_*` (or `l_*`/`r_*`) names, any case."""
+    """Left/right pairs from `left_*`/`right_*` (or `l_*`/`r_*`) names, any case (keypoints and classes)."""
     index = {n.lower(): i for i, n in enumerate(names)}
     pairs = []
     for name, i in index.items():
@@ -391,6 +425,8 @@ class PoseDataset:
             files[image["id"]] = file
         people = []
         for ann in coco.get("annotations", []):
+            if ann.get("iscrowd"):
+                continue
             where = f"{path}: annotation id {ann.get('id')}"
             if ann.get("image_id") not in files:
                 raise DataError(f"{where}: image_id {ann.get('image_id')} is not in 'images'")
@@ -445,7 +481,7 @@ class PoseDataset:
         heatmaps, weights = udp_heatmaps(points, visible, self.size, self.heatmap_size, heatmap_sigma(self.heatmap_size))
         return {"pixel_values": processing.normalize(pixels), "labels": heatmaps, "label_weights": weights,
                 "keypoints": truth, "to_source": to_source, "bbox": torch.tensor(person["bbox"]),
-                "area": torch.tensor(person["area"])}
+                "area": torch.tensor(person["area"]), "flipped": torch.tensor(flip)}
 
     def half_body(self, box, keypoints, generator):
         """The original's half-body augmentation, for any keypoint set: with probability 0.3 and enough
@@ -578,7 +614,7 @@ def build_dataset(task: str, root: Path, split: str, size, augment: bool, info: 
         if dataset.meta["keypoint_names"] != info["keypoint_names"]:
             raise DataError(f"{folder / 'annotations.json'}: its keypoint names differ from train/'s")
         return dataset
-    return DenseDataset(task, folder, size, augment, num_classes=len(info.get("class_names", [])) or None)
+    return DenseDataset(task, folder, size, augment, class_names=info.get("class_names"))
 
 
 def collate(samples: list[dict]) -> dict:

@@ -143,7 +143,8 @@ def test_overfit_each_task(task, backbone, tmp_path):
     info = train_data.dataset_info(task, data)
     val = train_data.build_dataset(task, data, "val", SIZE, False, info)
     dist_info = train.Distributed("cpu")
-    args = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--batch-size", "4"])
+    args = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--batch-size", "4",
+                                            "--workers", "0"])
     assert train.evaluate(model, val, args, info, dist_info)[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6)
     torch.manual_seed(0)
     fresh = heads.build_task_model(model.config, model.head_config)
@@ -245,12 +246,14 @@ def torchrun(*args, processes=2):
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_two_processes_equal_one(engine, backbone, tmp_path):
-    """The same global batch (4) and seed on 1 process and on 2 (gloo): the same weights and optimizer state."""
+    """The same global batch (4) and seed on 1 process and on 2 (gloo): the same weights and optimizer state.
+    The FSDP run also recomputes activations (--checkpoint-activations), which must not change the numbers."""
     data = make_dataset("seg", tmp_path / "data")
     common = ["seg", "--data", data, "--model", backbone, "--head", HEADS["seg"], "--workers", 0, "--no-progress",
               "--steps", 3, "--warmup", 1, "--lr", "1e-3"]
     assert train.main([str(a) for a in [*common, "-o", tmp_path / "one", "--batch-size", 4]]) == 0
-    torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2, *(["--fsdp"] if engine == "fsdp" else []))
+    torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2,
+             *(["--fsdp", "--checkpoint-activations"] if engine == "fsdp" else []))
     one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
     assert one.keys() == two.keys()
     # A conv bias right before an InstanceNorm has a zero gradient in exact arithmetic; Adam turns its rounding
@@ -259,3 +262,147 @@ def test_two_processes_equal_one(engine, backbone, tmp_path):
     bad = {k: (two[k] - one[k]).abs().max().item() for k in one if k not in noise
            and not torch.allclose(two[k], one[k], atol=2e-5, rtol=1e-4)}
     assert not bad, bad
+
+
+# ----------------------------------------------------------------------------------------------------
+# Augmentations move the targets with the image
+# ----------------------------------------------------------------------------------------------------
+SEEDS = range(12)
+
+
+def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
+    """Flip, scale, rotation, shift, half-body: each channel's target peak, mapped back through the crop,
+    lands on that channel's keypoint in the photo (after a flip: the mirrored keypoint of the other side),
+    and the crop shows the keypoint's white dot there."""
+    data = make_dataset("pose", tmp_path / "data", count=2, h=96, w=72)
+    info = train_data.dataset_info("pose", data)
+    train_set = train_data.build_dataset("pose", data, "train", (128, 96), True, info)
+    order = train_data.flip_order(17, info["flip_pairs"])
+    flips = 0
+    for seed in SEEDS:
+        sample = train_set[(0, seed)]
+        person = train_set.people[0]["keypoints"]
+        flips += int(sample["flipped"])
+        expected = person[order] if sample["flipped"] else person
+        assert torch.equal(sample["keypoints"], expected)
+        peaks, _ = processing.decode_heatmaps(sample["labels"][None])
+        scale = torch.tensor([95 / 23, 127 / 31])
+        in_photo = train_data.apply_affine(sample["to_source"], peaks[0] * scale)
+        inner = (peaks[0] >= 1).all(-1) & (peaks[0][:, 0] <= 22) & (peaks[0][:, 1] <= 30)  # DARK is biased at edges
+        seen = (sample["label_weights"] > 0) & inner
+        assert seen.sum() >= 8
+        torch.testing.assert_close(in_photo[seen], expected[seen, :2], atol=0.3, rtol=0)
+        pixels = sample["pixel_values"] * torch.tensor(processing.IMAGENET_STD).view(3, 1, 1) * 255
+        pixels = pixels + torch.tensor(processing.IMAGENET_MEAN).view(3, 1, 1) * 255
+        for x, y in (peaks[0][seen] * scale).round().long().tolist():
+            assert pixels[:, max(y - 3, 0) : y + 4, max(x - 3, 0) : x + 4].amax() > 150  # the dot, jittered
+    assert 0 < flips < len(SEEDS)
+
+
+def dense_augmented(task, tmp_path, classes=None):
+    data = make_dataset(task, tmp_path / "data", count=1)
+    if classes:
+        (data / "classes.json").write_text(json.dumps(classes))
+    info = train_data.dataset_info(task, data)
+    dataset = train_data.build_dataset(task, data, "train", SIZE, True, info)
+    return [dataset[(0, seed)] for seed in SEEDS]
+
+
+def red_and_blue(sample):
+    r, _, b = sample["pixel_values"]
+    return (r > b + 1.5), (b > r + 1.5)
+
+
+def test_normal_flip_negates_x(tmp_path):
+    flips = 0
+    for sample in dense_augmented("normal", tmp_path):
+        red, blue = red_and_blue(sample)
+        sign = -1 if sample["flipped"] else 1
+        flips += int(sample["flipped"])
+        for region, x in ((red, 0.6), (blue, -0.6)):
+            if region.sum() > 20:  # most of the region (nearest vs bilinear edges aside) has its normal
+                assert (sample["labels"][0][region] - sign * x).abs().lt(1e-3).float().mean() > 0.8
+    assert 0 < flips < len(SEEDS)
+
+
+def test_seg_flip_swaps_left_and_right_classes(tmp_path):
+    for sample in dense_augmented("seg", tmp_path, classes=["background", "L_Arm", "R_Arm"]):
+        red, _ = red_and_blue(sample)
+        if red.sum() > 20:
+            wanted = 2 if sample["flipped"] else 1
+            assert (sample["labels"][red] == wanted).float().mean() > 0.8
+
+
+def test_pointmap_augmentation_keeps_the_camera_consistent(tmp_path):
+    """The canonical target is the back-projection of its own Z with the augmented intrinsics (flip, crop,
+    scale), to within the one source pixel that nearest resampling may pick."""
+    for sample in dense_augmented("pointmap", tmp_path):
+        K, points, valid = sample["intrinsics"], sample["labels"], sample["mask"][0] > 0
+        v, u = torch.meshgrid(torch.arange(64.0), torch.arange(48.0), indexing="ij")
+        u_of_point = K[0, 0] * points[0] / points[2].clamp(min=1e-6) + K[0, 2]
+        v_of_point = K[1, 1] * points[1] / points[2].clamp(min=1e-6) + K[1, 2]
+        pixel = max(K[0, 0].item() / 500, 1.0)  # network pixels per source pixel
+        assert (u_of_point - u)[valid].abs().max() <= pixel and (v_of_point - v)[valid].abs().max() <= pixel
+        torch.testing.assert_close(sample["scales"], heads.CANONICAL_FOCAL / K[0, 0:1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model: new or continued head, frozen backbone, layer decay; bad data named
+# ----------------------------------------------------------------------------------------------------
+def test_new_head_then_continued_head_and_frozen_backbone(backbone, tmp_path, capsys):
+    data = make_dataset("seg", tmp_path / "data", count=2)
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run_train("seg", data, first, backbone, "--steps", 1, "--batch-size", 2) == 0
+    assert "new seg head with 3 outputs: the checkpoint is a pretrain backbone" in capsys.readouterr().err
+    before = weights.load(first)
+    args = ["seg", "--data", data, "-o", second, "--model", first, "--workers", 0, "--batch-size", 2, "--steps", 2,
+            "--freeze-backbone"]
+    assert train.main([str(a) for a in args]) == 0
+    err = capsys.readouterr().err
+    assert "continuing the checkpoint's seg head (3 outputs)" in err and "step 2/2" in err
+    after = weights.load(second)
+    for (name, a), b in zip(before.state_dict().items(), after.state_dict().values()):
+        assert torch.equal(a, b) == name.startswith("backbone."), name
+    (data / "classes.json").write_text(json.dumps(["background", "red", "blue", "green"]))
+    assert train.main([str(a) for a in [*args[:4], tmp_path / "third", *args[5:]]]) == 0
+    assert "new seg head with 4 outputs: the checkpoint's head has 3 outputs, the data 4" in capsys.readouterr().err
+
+
+def test_layer_decay_and_no_weight_decay_groups(backbone):
+    model = heads.build_task_model(weights.load(backbone).config, heads.HeadConfig("seg", (8,), (8,), 3))
+    args = train.build_parser().parse_args(["seg", "--data", "x", "-o", "y", "--layer-decay", "0.5", "--lr", "1"])
+    groups = train.parameter_groups(model, args)
+    lr_of = {id(p): (g["lr_scale"], g["weight_decay"]) for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert lr_of[id(named["decode_head.predictor.weight"])] == (1.0, 0.1)  # depth 2: head = layer 3
+    assert lr_of[id(named["backbone.blocks.1.attn.qkv.weight" if "backbone.blocks.1.attn.qkv.weight" in named
+                           else next(k for k in named if k.startswith("backbone.blocks.1.") and named[k].ndim == 2)])] == (0.5, 0.1)
+    assert lr_of[id(named["backbone.patch_embed.projection.weight"])] == (0.125, 0.1)
+    assert lr_of[id(named["backbone.cls_token"])] == (0.125, 0.0)
+    assert sum(len(g["params"]) for g in groups) == len(named)
+    assert [train.learning_rate(s, 10, 2, 1.0, 0.0) for s in (0, 1, 2, 6, 9)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.5 * (1 + np.cos(np.pi * 4 / 8)), 0.5 * (1 + np.cos(np.pi * 7 / 8))])
+
+
+@pytest.mark.parametrize("task, damage, message", [
+    ("seg", lambda d: (d / "train/masks/im1.png").unlink(), "missing masks file .*im1.png"),
+    ("seg", lambda d: save_png(d / "train/masks/im0.png", np.full((64, 48), 7, np.uint8)),
+     "im0.png: class id 7 but classes.json lists 3 classes"),
+    ("seg", lambda d: save_png(d / "train/masks/im0.png", np.zeros((10, 10), np.uint8)),
+     "masks/im0.png: size 10x10, but .*im0.png is 64x48"),
+    ("normal", lambda d: np.save(d / "train/normals/im0.npy", np.zeros((5, 5, 3))),
+     "normals/im0.npy: shape \\(5, 5, 3\\), expected \\(64, 48, 3\\)"),
+    ("pose", lambda d: (d / "train/annotations.json").write_text(json.dumps({**json.loads(
+        (d / "train/annotations.json").read_text()), "annotations": [{"id": 9, "image_id": 0, "bbox": [0, 0, 5, 5],
+                                                                       "keypoints": [1, 1, 2] * 5}]})),
+     "annotation id 9: 5 keypoints .* categories\\[0\\] lists 17 keypoint names"),
+    ("matting", lambda d: (d / "train/alphas").rename(d / "train/alpha"), "alphas: no such folder"),
+])
+def test_bad_data_is_named(task, damage, message, backbone, tmp_path, capsys):
+    data = make_dataset(task, tmp_path / "data", count=2)
+    damage(data)
+    code = run_train(task, data, tmp_path / "run", backbone, "--steps", 1, "--batch-size", 2)
+    err = capsys.readouterr().err
+    if code == 0:  # problems inside a file surface when it is read: the first step
+        pytest.fail(f"no error for {message}")
+    assert code == 2 and __import__("re").search(message, err), err
