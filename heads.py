@@ -56,6 +56,9 @@ class HeadConfig:
     # Pointmap scale branch: stride-2 1x1 conv widths and MLP hidden widths (output: 1 per image).
     scale_conv_channels: tuple[int, ...] = ()
     scale_hidden: tuple[int, ...] = ()
+    # Pose heads trained on another keypoint set (train.py): its names and left/right pairs (None = the 308).
+    keypoint_names: tuple[str, ...] | None = None
+    flip_pairs: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -64,6 +67,12 @@ class HeadConfig:
         self.conv_channels = tuple(self.conv_channels)
         self.scale_conv_channels = tuple(self.scale_conv_channels)
         self.scale_hidden = tuple(self.scale_hidden)
+        if self.keypoint_names is not None:
+            self.keypoint_names = tuple(self.keypoint_names)
+            if len(self.keypoint_names) != self.out_channels:
+                raise ValueError(f"{len(self.keypoint_names)} keypoint names for {self.out_channels} outputs")
+        if self.flip_pairs is not None:
+            self.flip_pairs = tuple(tuple(int(i) for i in pair) for pair in self.flip_pairs)
         transposed = self.task in TRANSPOSED_CONV_TASKS
         if self.upsample_kernel_sizes is None:
             self.upsample_kernel_sizes = (4 if transposed else 3,) * len(self.upsample_channels)
@@ -83,7 +92,11 @@ class HeadConfig:
         return self.task in TRANSPOSED_CONV_TASKS
 
     def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        for key in ("keypoint_names", "flip_pairs"):  # written only when set: older readers load the rest
+            if d[key] is None:
+                del d[key]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadConfig":
@@ -374,7 +387,9 @@ class Sapiens2ForPose(Sapiens2ForTask):
     def flip_test(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The original's test-time augmentation: mean of the heatmaps of the image and of its mirror."""
         plain = self(pixel_values).heatmaps
-        mirrored = self(pixel_values.flip(-1), flip_pairs=flip_pairs(plain.device)).heatmaps
+        pairs = self.head_config.flip_pairs
+        pairs = flip_pairs(plain.device) if pairs is None else torch.tensor(pairs, dtype=torch.long).view(-1, 2)
+        mirrored = self(pixel_values.flip(-1), flip_pairs=pairs).heatmaps
         return (plain + mirrored) / 2
 
 

@@ -539,7 +539,8 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
         return {".seg.png": lambda: Image.fromarray(value.to(torch.uint8).numpy()),
                 ".seg_overlay.jpg": lambda: vis(processing.overlay_segmentation(image, value))}
     if task == "pose":
-        return {".pose.json": lambda: pose_json(item, image, value),
+        names = loaded.model.head_config.keypoint_names  # a keypoint set of your own (train.py), else the 308
+        return {".pose.json": lambda: pose_json(item, image, value, names),
                 ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"]))}
     if task == "normal":
         return {".normal.npy": lambda: hwc_array(value, mask),
@@ -574,17 +575,18 @@ def depth_picture(depth: torch.Tensor, mask: torch.Tensor | None) -> Image.Image
     return processing.depth_to_image(depth, mask)
 
 
-def pose_json(item: InputImage, image: torch.Tensor, value: dict) -> dict:
-    """Boxes xyxy, keypoints [x, y, score] x 308 in image pixels; score = mean keypoint score above 0.2."""
+def pose_json(item: InputImage, image: torch.Tensor, value: dict, names=None) -> dict:
+    """Boxes xyxy, keypoints [x, y, score] x 308 (or x the model's own `names`) in image pixels; score = mean
+    keypoint score above 0.2."""
     people = []
     for person, entry in zip(value["people"], processing.pose_to_coco([value["people"]], [0])):
-        flat = entry["keypoints"]  # [x0, y0, s0, x1, y1, s1, ...]
+        flat = entry["keypoints"][: 3 * len(names)] if names else entry["keypoints"]  # [x0, y0, s0, x1, ...]
         keypoints = [[round(x, 2), round(y, 2), round(s, 4)] for x, y, s in zip(flat[0::3], flat[1::3], flat[2::3])]
         people.append({"box": [round(v, 2) for v in person["bbox"].tolist()], "score": round(entry["score"], 4),
                        "keypoints": keypoints})
     return {"image": item.relative, "width": int(image.shape[-1]), "height": int(image.shape[-2]),
             "box_source": value["box_source"], "people": people,
-            "keypoint_names": keypoint_metadata()["keypoint_names"]}
+            "keypoint_names": list(names) if names else keypoint_metadata()["keypoint_names"]}
 
 
 def stamp_random(picture: Image.Image) -> Image.Image:
