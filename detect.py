@@ -810,8 +810,12 @@ def load(source=DEFAULT_DETECTOR, dtype=torch.float32, device="cpu", threshold: 
     label = person_label if person_label is not None else person_label_of(cfg, name)
     with torch.device("meta"):
         model = DFine(cfg)
-    weights.load_strict(model, rename_checkpoint(tensors), f"{name} (D-FINE, transformers format)")
+    weights.load_strict(model, rename_checkpoint(tensors), f"{name} (D-FINE; keys as detect.py names them, "
+                        f"see KEY_RENAMES)")
     size = preprocessor.get("size", {})
     input_size = (size["height"], size["width"]) if "height" in size and "width" in size else INPUT_SIZE
+    if any(s % 32 for s in input_size):
+        raise ValueError(f"{name}: input size {input_size} from preprocessor_config.json must be a multiple of 32 "
+                         f"(the FPN fuses maps at strides 8, 16 and 32)")
     model = model.to(device=device, dtype=weights.parse_dtype(dtype)).eval()
     return PersonDetector(model, name, input_size, threshold, label)
