@@ -30,8 +30,6 @@ its image processor's `post_process_object_detection`.
 from __future__ import annotations
 
 import json
-import math
-import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -187,7 +185,8 @@ class SelfAttention(nn.Module):
         B, N, C = x.shape
         qk_in = x if pos is None else x + pos
         split = lambda t: t.view(B, N, self.heads, C // self.heads).transpose(1, 2)  # noqa: E731  (B, h, N, d)
-        out = F.scaled_dot_product_attention(split(self.q_proj(qk_in)), split(self.k_proj(qk_in)), split(self.v_proj(x)))
+        q, k, v = split(self.q_proj(qk_in)), split(self.k_proj(qk_in)), split(self.v_proj(x))
+        out = F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
         return self.out_proj(out.transpose(1, 2).reshape(B, N, C))
 
 
@@ -234,12 +233,12 @@ class HGStem(nn.Module):
         super().__init__()
         c_in, c_mid, c_out = cfg.stem_channels
         s = cfg.stem_strides
-        conv = lambda a, b, k, stride: HGConv(a, b, k, stride, act=cfg.hidden_act, lab=cfg.use_learnable_affine_block)  # noqa: E731
-        self.stem1 = conv(c_in, c_mid, 3, s[0])
-        self.stem2a = conv(c_mid, c_mid // 2, 2, s[1])
-        self.stem2b = conv(c_mid // 2, c_mid, 2, s[2])
-        self.stem3 = conv(2 * c_mid, c_mid, 3, s[3])
-        self.stem4 = conv(c_mid, c_out, 1, s[4])
+        act, lab = cfg.hidden_act, cfg.use_learnable_affine_block
+        self.stem1 = HGConv(c_in, c_mid, 3, s[0], act=act, lab=lab)
+        self.stem2a = HGConv(c_mid, c_mid // 2, 2, s[1], act=act, lab=lab)
+        self.stem2b = HGConv(c_mid // 2, c_mid, 2, s[2], act=act, lab=lab)
+        self.stem3 = HGConv(2 * c_mid, c_mid, 3, s[3], act=act, lab=lab)
+        self.stem4 = HGConv(c_mid, c_out, 1, s[4], act=act, lab=lab)
         self.pool = nn.MaxPool2d(kernel_size=2, stride=1, ceil_mode=True)
 
     def forward(self, x):
@@ -491,7 +490,8 @@ class DeformableAttention(nn.Module):
 
     def __init__(self, cfg: DFineConfig):
         super().__init__()
-        self.heads, self.points, self.offset_scale = cfg.decoder_attention_heads, cfg.points_per_level, cfg.decoder_offset_scale
+        self.heads, self.points = cfg.decoder_attention_heads, cfg.points_per_level
+        self.offset_scale = cfg.decoder_offset_scale
         total = self.heads * sum(self.points)
         self.sampling_offsets = nn.Linear(cfg.d_model, total * 2)
         self.attention_weights = nn.Linear(cfg.d_model, total)
@@ -798,6 +798,13 @@ def read_source(source) -> tuple[dict, dict, dict, str]:
             f"{path}: no config.json beside the weights; D-FINE's architecture is read from transformers' "
             f"config.json (put it in {folder}, or pass the folder that save_pretrained wrote)")
     return tensors, config, read("preprocessor_config.json"), name
+
+
+def is_hub_id(source) -> bool:
+    """A hub id or short name that is not a local path: what may fail to download (a missing file is a typo)."""
+    name = str(source)
+    return name in DETECTOR_IDS or (bool(weights.HUB_ID.match(name)) and not Path(name).exists()
+                                    and not name.endswith(".safetensors"))
 
 
 def load(source=DEFAULT_DETECTOR, dtype=torch.float32, device="cpu", threshold: float = DEFAULT_THRESHOLD,

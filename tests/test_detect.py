@@ -89,7 +89,8 @@ def saved(tmp_path_factory):
         torch.manual_seed(seed)
         model = randomize(transformers.DFineForObjectDetection(hf_config(case))).eval()
         model.save_pretrained(root / case, save_original_format=spec["original_format"])
-        (root / case / "preprocessor_config.json").write_text(json.dumps({"size": dict(zip(("height", "width"), INPUT))}))
+        size = {"height": INPUT[0], "width": INPUT[1]}
+        (root / case / "preprocessor_config.json").write_text(json.dumps({"size": size}))
         out[case] = model, root / case
     return out
 
@@ -293,3 +294,81 @@ def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
         (edited / "model.safetensors").symlink_to(folder / "model.safetensors")
         with pytest.raises(ValueError, match=why):
             detect.load(edited)
+
+
+# ----------------------------------------------------------------------------------------------------
+# predict.py --detector
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cli(saved, tmp_path_factory):
+    """Tiny seg + pose checkpoints, one photo, and the arguments every run shares."""
+    from test_predict import tiny_model, write_images
+
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    models = {task: weights.save(tiny_model(task), root / f"{task}.safetensors") for task in ("seg", "pose")}
+    images = write_images(root / "in", {"a.jpg": (80, 60)})
+    args = ["--no-flip", *[a for task, path in models.items() for a in ("--model", f"{task}={path}")]]
+    return images / "a.jpg", args, saved["small"][1]
+
+
+def run_pose(cli, out: Path, *extra, tasks="pose", expect=0, capsys=None) -> dict:
+    image, args, _ = cli
+    code = predict.main([tasks, str(image), "-o", str(out), *args, *map(str, extra)])
+    err = capsys.readouterr().err if capsys else ""
+    assert code == expect, err
+    if expect:
+        return {"err": err}
+    return {"err": err, "pose": json.loads((out / "a.pose.json").read_text()),
+            "manifest": json.loads((out / "run.json").read_text())}
+
+
+def test_cli_detector_file_gives_the_boxes_and_scores(cli, tmp_path, capsys):
+    image, _, folder = cli
+    run = run_pose(cli, tmp_path, "--detector", folder / "model.safetensors", capsys=capsys)
+    expected = detect.load(folder)(Image.open(image))[0]
+    expected = expected[(expected[:, 2] > 0) & (expected[:, 3] > 0)]
+    assert len(expected) >= 1 and run["pose"]["box_source"] == "detector"
+    people = run["pose"]["people"]
+    assert len(people) == len(expected)
+    for person, (x, y, w, h, score) in zip(people, expected.tolist()):
+        assert person["box"] == pytest.approx([x, y, x + w, y + h], abs=0.01)
+        assert person["detector_score"] == pytest.approx(score, abs=1e-4)
+    assert run["manifest"]["settings"]["detector"] == str(folder / "model.safetensors")
+    assert "detector" in run["manifest"]["timings_s"]["model"]
+
+
+def test_cli_detector_seg_and_none(cli, tmp_path, capsys):
+    seg = run_pose(cli, tmp_path / "seg", "--detector", "seg", capsys=capsys)
+    assert seg["pose"]["box_source"] == "segmentation"
+    assert all("detector_score" not in person for person in seg["pose"]["people"])
+    none = run_pose(cli, tmp_path / "none", "--detector", "none", tasks="seg,pose", capsys=capsys)
+    assert none["pose"]["box_source"] == "whole-image"  # even with a segmentation at hand
+    assert none["pose"]["people"][0]["box"] == [0, 0, 59, 79]
+
+
+def test_cli_boxes_file_wins(cli, tmp_path, capsys):
+    _, _, folder = cli
+    boxes = tmp_path / "boxes.json"
+    boxes.write_text(json.dumps({"a.jpg": [[5, 10, 30, 40]]}))
+    run = run_pose(cli, tmp_path / "out", "--boxes", boxes, "--detector", folder, capsys=capsys)
+    assert run["pose"]["box_source"] == "boxes-file" and run["manifest"]["settings"]["detector"] is None
+
+
+def test_cli_unavailable_detector_falls_back_to_seg_once(cli, tmp_path, capsys):
+    """The default detector cannot be downloaded here (tests are offline): one note, then the seg blobs."""
+    run = run_pose(cli, tmp_path, capsys=capsys)
+    assert run["err"].count("note: no person detector") == 1 and detect.DEFAULT_DETECTOR in run["err"]
+    assert run["pose"]["box_source"] == "segmentation" and run["manifest"]["settings"]["detector"] == "seg"
+
+
+def test_cli_bad_detector_is_an_error(cli, tmp_path, capsys):
+    missing = run_pose(cli, tmp_path, "--detector", tmp_path / "typo.safetensors", expect=2, capsys=capsys)
+    assert "typo.safetensors: no such file or folder" in missing["err"]
+    _, _, folder = cli
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    save_file({"x": torch.zeros(1)}, str(broken / "model.safetensors"))
+    mismatch = run_pose(cli, tmp_path, "--detector", broken, expect=2, capsys=capsys)
+    assert "error: --detector:" in mismatch["err"] and "missing" in mismatch["err"]
