@@ -11,8 +11,9 @@ Tasks: seg, pose, normal, pointmap, matting, albedo, features. Outputs are mirro
 reported and skipped; the run goes on. Exit status: 0 all good, 1 some images failed (single process only),
 2 nothing could run.
 
-Pose is top-down: person boxes come from `--boxes`, else from the segmentation's foreground (connected
-blobs, small ones dropped), else the whole image. The flip test is on by default, as in the original demo.
+Pose is top-down: person boxes come from `--boxes`, else from a person detector (detect.py, D-FINE; or
+`--detector seg`: the segmentation's foreground blobs), else the whole image. The flip test is on by default,
+as in the original demo.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 from safetensors.torch import save_file
 
+import detect
 import heads
 import processing
 import weights
@@ -319,7 +321,7 @@ def model_source(task: str, default: str | None, per_task: dict[str, str]) -> st
 
 
 def needs_seg_model(args, tasks: list[str]) -> bool:
-    return "seg" in tasks or args.mask_with_seg or ("pose" in tasks and not args.boxes)
+    return "seg" in tasks or args.mask_with_seg or ("pose" in tasks and not args.boxes and args.detector == "seg")
 
 
 def load_models(args, tasks: list[str], device, dtype) -> dict[str, LoadedModel]:
@@ -331,6 +333,24 @@ def load_models(args, tasks: list[str], device, dtype) -> dict[str, LoadedModel]
     if needs_seg_model(args, tasks) and "seg" not in tasks:
         models.update(helper_seg_model(cache, default, per_task, args, device, dtype))
     return models
+
+
+def load_detector(args, tasks: list[str], device, dtype) -> detect.PersonDetector | None:
+    """The person detector for pose boxes (None with --boxes or --detector seg|none). When its weights cannot be
+    downloaded, say so and use the segmentation's blobs instead; a missing local file stays an error."""
+    if "pose" not in tasks or args.boxes or args.detector in ("seg", "none"):
+        return None
+    try:
+        return detect.load(args.detector, dtype=dtype, device=device)
+    except FileNotFoundError as error:
+        if not detect.is_hub_id(args.detector):
+            raise UsageError(f"--detector: {error}") from None
+        print(f"note: no person detector ({error}); pose boxes come from the segmentation's person blobs "
+              f"instead (--detector seg)", file=sys.stderr)
+        args.detector = "seg"  # from here on seg is loaded for the boxes, and the manifest says so
+    except ValueError as error:
+        raise UsageError(f"--detector: {error}") from None
+    return None
 
 
 def helper_seg_model(cache, default, per_task, args, device, dtype) -> dict[str, LoadedModel]:
@@ -411,6 +431,8 @@ class Context:
     mask_with_seg: bool
     boxes: dict | None
     names: dict[InputImage, str] = field(default_factory=dict)
+    detector: detect.PersonDetector | None = None  # any callable: images -> per image (K, 5) xywh + score
+    seg_boxes: bool = True  # pose boxes from the seg blobs when there is no detector (--detector seg)
     timings: dict[str, float] = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)
     done: int = 0
@@ -497,16 +519,30 @@ DENSE_RUNNERS = {"normal": run_normal, "pointmap": run_pointmap, "albedo": run_a
                  "features": run_features}
 
 
-def pose_boxes(item: InputImage, image, segmentation, given: dict | None) -> tuple[list, str]:
-    """(COCO xywh person boxes, where they came from): the --boxes entry, else the segmentation's person
-    blobs, else the whole image. (A person detector would slot in here.)"""
+def pose_boxes(item: InputImage, image, segmentation, given: dict | None,
+               detected: torch.Tensor | None = None) -> tuple[list, str, list | None]:
+    """(COCO xywh person boxes, where they came from, the detector's score of each): the --boxes entry, else
+    the detector's person boxes, else the segmentation's person blobs, else the whole image."""
     entry = boxes_for(item, given) if given is not None else None
     if entry is not None:
-        return entry, "boxes-file"
+        return entry, "boxes-file", None
+    if detected is not None:
+        detected = detected[(detected[:, 2] > 0) & (detected[:, 3] > 0)]  # an empty box has nothing to crop
+    if detected is not None and len(detected):
+        return detected[:, :4].tolist(), "detector", detected[:, 4].tolist()
     found = person_boxes(segmentation) if segmentation is not None else []
     if found:
-        return found, "segmentation"
-    return whole_image_box(image), "whole-image"
+        return found, "segmentation", None
+    return whole_image_box(image), "whole-image", None
+
+
+def run_detector(ctx: Context, images) -> list[torch.Tensor | None]:
+    if ctx.detector is None:
+        return [None] * len(images)
+    start = time.perf_counter()
+    detected = [boxes.cpu() for boxes in ctx.detector(images)]
+    ctx.timings["detector"] = ctx.timings.get("detector", 0.0) + time.perf_counter() - start
+    return detected
 
 
 def infer(ctx: Context, items: list[InputImage], images: list[torch.Tensor]) -> list[dict]:
@@ -522,10 +558,11 @@ def infer(ctx: Context, items: list[InputImage], images: list[torch.Tensor]) -> 
             for result, value in zip(results, runner(ctx, images)):
                 result[task] = value
     if "pose" in ctx.tasks:
-        boxes, sources = zip(*(pose_boxes(item, image, segmentations[i] if segmentations else None, ctx.boxes)
-                               for i, (item, image) in enumerate(zip(items, images))))
-        for result, people, source in zip(results, run_pose(ctx, images, list(boxes)), sources):
-            result["pose"] = {"people": people, "box_source": source}
+        detected, seg = run_detector(ctx, images), segmentations if ctx.seg_boxes else None
+        boxes, sources, scores = zip(*(pose_boxes(item, image, seg[i] if seg else None, ctx.boxes, detected[i])
+                                       for i, (item, image) in enumerate(zip(items, images))))
+        for result, people, source, score in zip(results, run_pose(ctx, images, list(boxes)), sources, scores):
+            result["pose"] = {"people": people, "box_source": source, "detector_scores": score}
     return results
 
 
@@ -579,11 +616,13 @@ def pose_json(item: InputImage, image: torch.Tensor, value: dict, names=None) ->
     """Boxes xyxy, keypoints [x, y, score] x 308 (or x the model's own `names`) in image pixels; score = mean
     keypoint score above 0.2."""
     people = []
-    for person, entry in zip(value["people"], processing.pose_to_coco([value["people"]], [0])):
+    for i, (person, entry) in enumerate(zip(value["people"], processing.pose_to_coco([value["people"]], [0]))):
         flat = entry["keypoints"][: 3 * len(names)] if names else entry["keypoints"]  # [x0, y0, s0, x1, ...]
         keypoints = [[round(x, 2), round(y, 2), round(s, 4)] for x, y, s in zip(flat[0::3], flat[1::3], flat[2::3])]
         people.append({"box": [round(v, 2) for v in person["bbox"].tolist()], "score": round(entry["score"], 4),
                        "keypoints": keypoints})
+        if value.get("detector_scores") is not None:
+            people[-1]["detector_score"] = round(value["detector_scores"][i], 4)
     return {"image": item.relative, "width": int(image.shape[-1]), "height": int(image.shape[-2]),
             "box_source": value["box_source"], "people": people,
             "keypoint_names": list(names) if names else keypoint_metadata()["keypoint_names"]}
@@ -808,6 +847,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-flip", dest="flip", action="store_false", help="pose: skip the flip test (2x faster)")
     parser.add_argument("--boxes", metavar="FILE",
                         help="pose: person boxes, JSON {\"image.jpg\": [[x, y, w, h], ...]}")
+    parser.add_argument("--detector", default=detect.DEFAULT_DETECTOR, metavar="SOURCE",
+                        help="pose: person boxes from this D-FINE detector (hub id, folder or file; default "
+                             "%(default)s), 'seg' for the segmentation's blobs, 'none' for the whole image; "
+                             "--boxes wins")
     parser.add_argument("--rope", choices=["bfloat16", "float32"], default="bfloat16",
                         help="RoPE precision: bfloat16 as trained (default); float32 matches HF transformers")
     parser.add_argument("--mask-with-seg", action="store_true",
@@ -882,11 +925,13 @@ def run(args, argv: list[str]) -> int:
     batch_size = args.batch_size or (4 if device.type == "cuda" else 1)
     if batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
+    detector = load_detector(args, tasks, device, dtype)  # before the models: its fallback needs seg
     models = load_models(args, tasks, device, dtype)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
-                  args.mask_with_seg, boxes, names=output_names(items))
+                  args.mask_with_seg, boxes, names=output_names(items), detector=detector,
+                  seg_boxes=detector is None and args.detector != "none")
     mine = shard(items, rank, world)
     todo = [item for item in mine if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
@@ -918,7 +963,9 @@ def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
         "models": {task: describe_model(m, dtype) for task, m in ctx.models.items()},
         "settings": {"device": str(ctx.device), "dtype": dtype, "batch_size": ctx.batch_size,
                      "size": list(args.size) if args.size else None, "flip_test": args.flip, "rope": args.rope,
-                     "mask_with_seg": args.mask_with_seg, "boxes": args.boxes, "save": sorted(args.save),
+                     "mask_with_seg": args.mask_with_seg, "boxes": args.boxes,
+                     "detector": None if args.boxes or "pose" not in ctx.tasks else args.detector,
+                     "save": sorted(args.save),
                      "skip_existing": args.skip_existing, "output": str(ctx.out)},
         "versions": versions(), "shard": shard_info,
     }

@@ -28,6 +28,14 @@ def _seed_and_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_downloads(tmp_path_factory, monkeypatch):
+    """Tests never download: an empty cache, offline (a test that serves a hub of its own overrides both). Without
+    this, `predict.py pose` would fetch the default person detector from the hub."""
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path_factory.mktemp("empty_cache")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|: the relative error every parity test reports."""
     return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()

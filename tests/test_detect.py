@@ -1,0 +1,374 @@
+"""detect.py: the D-FINE port against transformers 5.23 on tiny random configs, pre/post-processing against
+transformers' RTDetrImageProcessor, strict loading, and predict.py's --detector.
+
+Tolerances, and why:
+- raw logits and boxes: 1e-4 abs in fp32 (the issue's bound). Both sides run the same fp32 ops in the same
+  order except the attention kernel and a few reassociated products; measured <= 3e-8.
+- post-processing: exact (the same float ops on the same logits), and 1e-4 px end to end from images.
+- preprocessing: 1e-6 against the stored transformers output (measured 0), one grey level (1/255) where this
+  CPU resizes uint8 on a different kernel path than the machine that made the fixture (see test_processing).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import detect
+import predict
+import weights
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+transformers = pytest.importorskip("transformers")
+
+FIXTURES = Path(__file__).parent / "fixtures" / "detect"
+TOL = 1e-4
+LABELS = {0: "cat", 1: "person", 2: "dog", 3: "car", 4: "bus"}  # person is not class 0: nothing may assume it
+INPUT = (64, 96)  # (H, W) model input of the tiny detectors (the released ones use 640x640)
+
+# Tiny configs shaped like the released ones: "small" (3 levels, learnable affine blocks, per-level points),
+# "nano" (2 levels from stages 3-4, no affine blocks, one point count, saved in transformers' in-memory names).
+BACKBONE = dict(model_type="hgnet_v2", stem_channels=[3, 8, 8], stage_in_channels=[8, 16, 32, 48],
+                stage_mid_channels=[8, 8, 16, 16], stage_out_channels=[16, 32, 48, 64], stage_num_blocks=[1, 1, 2, 1],
+                stage_numb_of_layers=[2, 2, 2, 2], hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 2, 1],
+                embedding_size=8)
+CASES = {
+    "small": dict(backbone=dict(use_learnable_affine_block=True, out_indices=[2, 3, 4]),
+                  model=dict(encoder_in_channels=[32, 48, 64], decoder_in_channels=[32, 32, 32], num_feature_levels=3,
+                             encode_proj_layers=[2], decoder_n_points=[3, 6, 3], decoder_layers=3),
+                  original_format=True),
+    "nano": dict(backbone=dict(use_learnable_affine_block=False, out_indices=[3, 4]),
+                 model=dict(encoder_in_channels=[48, 64], decoder_in_channels=[32, 32], num_feature_levels=2,
+                            feat_strides=[16, 32], encode_proj_layers=[1], decoder_n_points=4, decoder_layers=2),
+                 original_format=False),
+}
+
+
+def hf_config(case: str, **overrides):
+    spec = CASES[case]
+    model = dict(encoder_hidden_dim=32, encoder_ffn_dim=64, encoder_attention_heads=2, d_model=32, decoder_ffn_dim=64,
+                 decoder_attention_heads=4, num_queries=20, depth_mult=0.34, hidden_expansion=0.5, lqe_hidden_dim=16,
+                 max_num_bins=8, id2label=LABELS, **spec["model"])
+    return transformers.DFineConfig(backbone_config={**BACKBONE, **spec["backbone"]}, **{**model, **overrides})
+
+
+def randomize(model):
+    """transformers zero-initializes several heads (box refinements, LQE, sampling offsets, gates) and sets batch
+    norms to identity: randomize everything so each part of the port has to be right."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".up", ".reg_scale")):
+                continue
+            if p.dim() > 1:  # scaled to the fan-in, so activations keep their size through the layers
+                p.normal_(0, p[0].numel() ** -0.5)
+            elif name.endswith((".weight", ".scale")):  # norms and affine blocks around 1
+                p.normal_(1, 0.2)
+            else:
+                p.normal_(0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("running_var"):
+                b.uniform_(0.5, 1.5)
+            elif name.endswith("running_mean"):
+                b.normal_(0, 0.1)
+        head = model.model.decoder.class_embed[-1]  # persons level with cars: the top-k interleaves the classes
+        head.weight[1], head.bias[1] = head.weight[3] + 0.01 * torch.randn_like(head.weight[3]), head.bias[3]
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """case -> (transformers model, folder written by save_pretrained)."""
+    root, out = tmp_path_factory.mktemp("dfine"), {}
+    for seed, (case, spec) in enumerate(CASES.items()):
+        torch.manual_seed(seed)
+        model = randomize(transformers.DFineForObjectDetection(hf_config(case))).eval()
+        model.save_pretrained(root / case, save_original_format=spec["original_format"])
+        size = {"height": INPUT[0], "width": INPUT[1]}
+        (root / case / "preprocessor_config.json").write_text(json.dumps({"size": size}))
+        out[case] = model, root / case
+    return out
+
+
+def images_of(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8)) for h, w in sizes]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_boxes_match_transformers(saved, case):
+    hf, folder = saved[case]
+    detector = detect.load(folder)
+    x = torch.rand(2, 3, 64, 96)  # batched and not square: each level's shape and the anchors must be right
+    with torch.no_grad():
+        ref, ours = hf(pixel_values=x), detector.model(x)
+    for name in ("logits", "pred_boxes"):
+        err = (getattr(ours, name) - getattr(ref, name)).abs().max().item()
+        print(f"{case} {name}: max abs diff {err:.2e}")
+        assert err <= TOL, f"{case} {name}: max abs diff {err:.3g} > {TOL}"
+    assert ref.logits.std() > 0.05 and ref.pred_boxes.std() > 0.01  # not a degenerate comparison
+
+
+def test_bf16_runs_and_stays_close(saved):
+    """bf16 end to end (the GPU default) gives finite float32 boxes. The encoder's maps stay within 3e-2 relative of
+    fp32 (measured 1.2e-2: bf16 keeps 8 mantissa bits, ~4e-3 per rounding, over ~40 convs). The decoder's outputs
+    are not compared: its query selection is a top-k, and a near tie may pick another query in bf16."""
+    _, folder = saved["small"]
+    fp32, bf16 = detect.load(folder), detect.load(folder, dtype="bf16")
+    assert bf16.dtype == torch.bfloat16
+    images = images_of([(60, 80), (90, 40)])
+    for boxes in bf16(images):
+        assert boxes.dtype == torch.float32 and boxes.shape[1] == 5 and torch.isfinite(boxes).all()
+    pixels = detect.preprocess(images, INPUT)
+    with torch.no_grad():
+        expected = fp32.model.encoder(fp32.model.backbone(pixels))
+        got = bf16.model.encoder(bf16.model.backbone(pixels.bfloat16()))
+    for level, (a, b) in enumerate(zip(expected, got)):
+        err = ((b.float() - a).abs().max() / a.abs().max()).item()
+        print(f"bf16 encoder level {level}: max rel err {err:.2e}")
+        assert err < 3e-2, f"level {level}: {err:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pre- and post-processing
+# ----------------------------------------------------------------------------------------------------
+def test_postprocessing_equals_transformers_image_processor(saved):
+    """Our boxes from the model's outputs == transformers' post_process_object_detection, person rows, xyxy -> xywh."""
+    from transformers.models.rt_detr.image_processing_pil_rt_detr import RTDetrImageProcessorPil
+
+    hf, folder = saved["small"]
+    detector = detect.load(folder, threshold=0.3)
+    sizes = [(60, 80), (120, 50)]
+    pixels = detect.preprocess(images_of(sizes), INPUT)
+    with torch.no_grad():
+        out = detector.model(pixels)
+    ours = detect.postprocess(out.logits, out.pred_boxes, sizes, 0.3, label=1)
+    theirs = RTDetrImageProcessorPil().post_process_object_detection(out, threshold=0.3, target_sizes=sizes)
+    found = 0
+    for mine, ref in zip(ours, theirs):
+        person = ref["labels"] == 1
+        x0, y0, x1, y1 = ref["boxes"][person].unbind(-1)
+        expected = torch.stack([x0, y0, x1 - x0, y1 - y0, ref["scores"][person]], dim=-1)
+        assert torch.equal(mine, expected)
+        assert (ref["labels"] != 1).any()  # other classes were there and are left out
+        found += len(mine)
+    assert found >= 2
+
+
+def test_detector_end_to_end_matches_transformers(saved):
+    """images -> detector == images -> (the same resize) -> transformers model -> its post-processing."""
+    from transformers.models.rt_detr.image_processing_pil_rt_detr import RTDetrImageProcessorPil
+
+    hf, folder = saved["nano"]
+    detector = detect.load(folder, threshold=0.3)
+    assert detector.input_size == INPUT and detector.person_label == 1  # from preprocessor_config.json, id2label
+    images = images_of([(60, 80), (33, 47), (48, 64)], seed=1)
+    results = detector(images)
+    with torch.no_grad():
+        ref = hf(pixel_values=detect.preprocess(images, INPUT))
+    theirs = RTDetrImageProcessorPil().post_process_object_detection(
+        ref, threshold=0.3, target_sizes=[tuple(i.shape[-2:]) for i in images])
+    for mine, expected in zip(results, theirs):
+        person = expected["labels"] == 1
+        assert mine.shape == (int(person.sum()), 5)
+        xyxy = torch.cat([mine[:, :2], mine[:, :2] + mine[:, 2:4]], dim=1)
+        torch.testing.assert_close(xyxy, expected["boxes"][person], atol=TOL, rtol=0)
+        torch.testing.assert_close(mine[:, 4], expected["scores"][person], atol=TOL, rtol=0)
+    assert sum(len(r) for r in results) >= 2
+
+
+def test_postprocess_by_hand():
+    """One image, 3 queries x 2 classes, person = 1: the top-3 (query, class) pairs, then the person rows."""
+    logits = torch.logit(torch.tensor([[[0.9, 0.2], [0.3, 0.8], [0.1, 0.6]]]))  # scores per (query, class)
+    boxes = torch.tensor([[[0.5, 0.5, 0.2, 0.4], [0.25, 0.5, 0.5, 1.0], [0.1, 0.1, 0.1, 0.1]]])  # cxcywh
+    (result,) = detect.postprocess(logits, boxes, [(100, 200)], threshold=0.5, label=1)
+    # top-3 pairs: (q0, c0) 0.9, (q1, c1) 0.8, (q2, c1) 0.6; persons above 0.5: q1, q2
+    expected = torch.tensor([[0.0, 0.0, 100.0, 100.0, 0.8], [10.0, 5.0, 20.0, 10.0, 0.6]])
+    torch.testing.assert_close(result, expected)
+    (none,) = detect.postprocess(logits, boxes, [(100, 200)], threshold=0.85, label=1)
+    assert none.shape == (0, 5)
+
+
+def test_preprocessing_matches_transformers_fixture():
+    """detect.preprocess == transformers' RTDetrImageProcessor (torchvision backend) on stored images."""
+    path = FIXTURES / "preprocess.safetensors"
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as handle:
+        meta = json.loads(handle.metadata()["json"])
+    same_kernel = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and meta["cpu_capability"] in (
+        "AVX2", "AVX512")
+    tol = 1e-6 if same_kernel else 1 / 255 + 1e-6
+    for i in range(meta["num_images"]):
+        ours = detect.preprocess([tensors[f"image{i}"]], tuple(meta["size"]))[0]
+        err = (ours - tensors[f"pixel_values{i}"]).abs().max().item()
+        assert err <= tol, f"image {i} {tuple(tensors[f'image{i}'].shape)}: max abs diff {err:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------
+def test_loads_a_file_a_folder_and_a_cached_hub_id(saved, tmp_path, monkeypatch):
+    _, folder = saved["small"]
+    reference = detect.load(folder).model.state_dict()
+    cache = tmp_path / "cache" / "someone--dfine-tiny" / "main"
+    cache.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (cache / name).write_bytes((folder / name).read_bytes())
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # served from the cache, as weights.load does
+    for source in (folder / "model.safetensors", "someone/dfine-tiny"):
+        state = detect.load(source).model.state_dict()
+        assert all(torch.equal(state[k], reference[k]) for k in reference)
+    assert detect.load("someone/dfine-tiny").input_size == detect.INPUT_SIZE  # no preprocessor_config.json there
+    with pytest.raises(FileNotFoundError, match=r"someone/elsewhere.*HF_HUB_OFFLINE"):
+        detect.load("someone/elsewhere")
+
+
+def copy_with(folder: Path, tmp_path: Path, change) -> Path:
+    out = tmp_path / "edited"
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    change(state)
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_listed(saved, tmp_path):
+    _, folder = saved["small"]
+
+    def edit(state):
+        del state["model.decoder.layers.1.gateway.gate.weight"]
+        state["model.decoder.extra.weight"] = torch.zeros(2)
+        state["model.enc_score_head.weight"] = torch.zeros(7, 32)
+
+    edited = copy_with(folder, tmp_path, edit)
+    with pytest.raises(weights.CheckpointMismatch) as info:
+        detect.load(edited)
+    message = str(info.value)
+    assert str(edited) in message
+    assert "missing (1):\n    decoder.layers.{1}.gateway.gate.weight" in message
+    assert "unexpected (1):\n    decoder.extra.weight" in message
+    assert "enc_score_head.weight: file (7, 32) vs model (5, 32)" in message
+
+
+def test_training_only_tensors_are_ignored(saved, tmp_path):
+    """Batch-norm step counters and the denoising class embedding are training state: present or not, it loads."""
+    _, folder = saved["small"]
+    assert "model.denoising_class_embed.weight" in load_file(str(folder / "model.safetensors"))
+
+    def edit(state):
+        for key in [k for k in state if k.endswith("num_batches_tracked") or "denoising" in k]:
+            del state[key]
+
+    detect.load(copy_with(folder, tmp_path, edit))
+
+
+def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
+    _, folder = saved["small"]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "weights.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"no config.json beside the weights"):
+        detect.load(bare / "weights.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors: no such file or folder"):
+        detect.load(tmp_path / "nope.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match=r"junk\.safetensors: not a readable safetensors file"):
+        detect.load(tmp_path / "junk.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    for key, value, why in (("eval_idx", 0, "eval_idx=0 is not supported"),
+                            ("model_type", "rt_detr", "expected 'd_fine'"),
+                            ("id2label", {"0": "cat", "1": "dog"}, "no 'person' class")):
+        edited = tmp_path / key
+        edited.mkdir()
+        (edited / "config.json").write_text(json.dumps({**config, key: value}))
+        (edited / "model.safetensors").symlink_to(folder / "model.safetensors")
+        with pytest.raises(ValueError, match=why):
+            detect.load(edited)
+
+
+# ----------------------------------------------------------------------------------------------------
+# predict.py --detector
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cli(saved, tmp_path_factory):
+    """Tiny seg + pose checkpoints, one photo, and the arguments every run shares."""
+    from test_predict import tiny_model, write_images
+
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    models = {task: weights.save(tiny_model(task), root / f"{task}.safetensors") for task in ("seg", "pose")}
+    images = write_images(root / "in", {"a.jpg": (80, 60)})
+    args = ["--no-flip", *[a for task, path in models.items() for a in ("--model", f"{task}={path}")]]
+    return images / "a.jpg", args, saved["small"][1]
+
+
+def run_pose(cli, out: Path, *extra, tasks="pose", expect=0, capsys=None) -> dict:
+    image, args, _ = cli
+    code = predict.main([tasks, str(image), "-o", str(out), *args, *map(str, extra)])
+    err = capsys.readouterr().err if capsys else ""
+    assert code == expect, err
+    if expect:
+        return {"err": err}
+    return {"err": err, "pose": json.loads((out / "a.pose.json").read_text()),
+            "manifest": json.loads((out / "run.json").read_text())}
+
+
+def test_cli_detector_file_gives_the_boxes_and_scores(cli, tmp_path, capsys):
+    image, _, folder = cli
+    run = run_pose(cli, tmp_path, "--detector", folder / "model.safetensors", capsys=capsys)
+    expected = detect.load(folder)(Image.open(image))[0]
+    expected = expected[(expected[:, 2] > 0) & (expected[:, 3] > 0)]
+    assert len(expected) >= 1 and run["pose"]["box_source"] == "detector"
+    people = run["pose"]["people"]
+    assert len(people) == len(expected)
+    for person, (x, y, w, h, score) in zip(people, expected.tolist()):
+        assert person["box"] == pytest.approx([x, y, x + w, y + h], abs=0.01)
+        assert person["detector_score"] == pytest.approx(score, abs=1e-4)
+    assert run["manifest"]["settings"]["detector"] == str(folder / "model.safetensors")
+    assert "detector" in run["manifest"]["timings_s"]["model"]
+
+
+def test_cli_detector_seg_and_none(cli, tmp_path, capsys):
+    seg = run_pose(cli, tmp_path / "seg", "--detector", "seg", capsys=capsys)
+    assert seg["pose"]["box_source"] == "segmentation"
+    assert all("detector_score" not in person for person in seg["pose"]["people"])
+    none = run_pose(cli, tmp_path / "none", "--detector", "none", tasks="seg,pose", capsys=capsys)
+    assert none["pose"]["box_source"] == "whole-image"  # even with a segmentation at hand
+    assert none["pose"]["people"][0]["box"] == [0, 0, 59, 79]
+
+
+def test_cli_boxes_file_wins(cli, tmp_path, capsys):
+    _, _, folder = cli
+    boxes = tmp_path / "boxes.json"
+    boxes.write_text(json.dumps({"a.jpg": [[5, 10, 30, 40]]}))
+    run = run_pose(cli, tmp_path / "out", "--boxes", boxes, "--detector", folder, capsys=capsys)
+    assert run["pose"]["box_source"] == "boxes-file" and run["manifest"]["settings"]["detector"] is None
+
+
+def test_cli_unavailable_detector_falls_back_to_seg_once(cli, tmp_path, capsys):
+    """The default detector cannot be downloaded here (tests are offline): one note, then the seg blobs."""
+    run = run_pose(cli, tmp_path, capsys=capsys)
+    assert run["err"].count("note: no person detector") == 1 and detect.DEFAULT_DETECTOR in run["err"]
+    assert run["pose"]["box_source"] == "segmentation" and run["manifest"]["settings"]["detector"] == "seg"
+
+
+def test_cli_bad_detector_is_an_error(cli, tmp_path, capsys):
+    missing = run_pose(cli, tmp_path, "--detector", tmp_path / "typo.safetensors", expect=2, capsys=capsys)
+    assert "typo.safetensors: no such file or folder" in missing["err"]
+    _, _, folder = cli
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    save_file({"x": torch.zeros(1)}, str(broken / "model.safetensors"))
+    mismatch = run_pose(cli, tmp_path, "--detector", broken, expect=2, capsys=capsys)
+    assert "error: --detector:" in mismatch["err"] and "missing" in mismatch["err"]
