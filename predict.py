@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 from safetensors.torch import save_file
 
+import formats
 import heads
 import processing
 import weights
@@ -44,13 +45,15 @@ from metadata import keypoint_metadata
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
 
 TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo", "features")
-KINDS = ("raw", "json", "vis")
+KINDS = ("raw", "json", "vis", "openpose", "coco", "ply", "depth16")
+DEFAULT_KINDS = ("raw", "json", "vis")  # the others are other tools' formats (formats.py), written when asked
 # What each task writes: file suffix -> the --save kinds that ask for it.
 ARTEFACTS = {
     "seg": {".seg.png": {"raw"}, ".seg_overlay.jpg": {"vis"}},
-    "pose": {".pose.json": {"json"}, ".pose_overlay.jpg": {"vis"}},
+    "pose": {".pose.json": {"json"}, ".pose_overlay.jpg": {"vis"}, "_keypoints.json": {"openpose"}},
     "normal": {".normal.npy": {"raw"}, ".normal.png": {"vis"}},
-    "pointmap": {".pointmap.npy": {"raw"}, ".depth.png": {"vis"}},
+    "pointmap": {".pointmap.npy": {"raw"}, ".depth.png": {"vis"}, ".pointmap.ply": {"ply"},
+                 ".depth16.png": {"depth16"}},
     "matting": {".alpha.png": {"raw"}, ".composite.jpg": {"vis"}},
     "albedo": {".albedo.png": {"raw", "vis"}},
     "features": {".features.safetensors": {"raw"}},
@@ -411,6 +414,7 @@ class Context:
     mask_with_seg: bool
     boxes: dict | None
     names: dict[InputImage, str] = field(default_factory=dict)
+    coco: formats.CocoResults | None = None  # --save coco: gathered image by image, written at the end
     timings: dict[str, float] = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)
     done: int = 0
@@ -540,13 +544,16 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
                 ".seg_overlay.jpg": lambda: vis(processing.overlay_segmentation(image, value))}
     if task == "pose":
         return {".pose.json": lambda: pose_json(item, image, value),
-                ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"]))}
+                ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"])),
+                "_keypoints.json": lambda: formats.openpose_json(value["people"])}
     if task == "normal":
         return {".normal.npy": lambda: hwc_array(value, mask),
                 ".normal.png": lambda: vis(processing.normals_to_image(value, mask))}
     if task == "pointmap":
         return {".pointmap.npy": lambda: hwc_array(value, mask),
-                ".depth.png": lambda: vis(depth_picture(value[2], mask))}
+                ".depth.png": lambda: vis(depth_picture(value[2], mask)),
+                ".pointmap.ply": lambda: formats.pointmap_ply(value, image, mask),
+                ".depth16.png": lambda: formats.depth16_image(value[2], mask)}
     if task == "matting":
         return {".alpha.png": lambda: Image.fromarray(processing.float_to_uint8(value["alpha"][0]).numpy()),
                 ".composite.jpg": lambda: vis(processing.to_pil(value["composite"]))}
@@ -606,7 +613,9 @@ def save_artefact(path: Path, value):
     value: a dict (.json), an array (.npy), (tensors, metadata) (.safetensors), a PIL image (.png, .jpg)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    if path.suffix == ".json":
+    if isinstance(value, bytes):  # .ply
+        partial.write_bytes(value)
+    elif path.suffix == ".json":
         partial.write_text(json.dumps(value))
     elif path.suffix == ".npy":
         with open(partial, "wb") as f:
@@ -630,12 +639,18 @@ def all_written(ctx: Context, item: InputImage) -> bool:
     return all(path.exists() for path in expected_outputs(ctx, item))
 
 
-def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: dict):
+def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: dict) -> dict:
+    """Writes an image's files; returns what went in them by suffix (videos encode the pictures)."""
+    written = {}
     for task in ctx.tasks:
         makers = render(task, item, image, result, ctx.models[task])
         for suffix, kinds in ARTEFACTS[task].items():
             if kinds & ctx.kinds:
-                save_artefact(ctx.out / (ctx.names[item] + suffix), makers[suffix]())
+                written[suffix] = makers[suffix]()
+                save_artefact(ctx.out / (ctx.names[item] + suffix), written[suffix])
+    if ctx.coco is not None and "pose" in result:
+        ctx.coco.add(ctx.names[item], item.relative, result["pose"]["people"])
+    return written
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -813,9 +828,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "in pictures)")
     parser.add_argument("--skip-existing", action="store_true",
                         help="skip images whose outputs all exist (resumes a run)")
-    parser.add_argument("--save", type=parse_kinds_arg, default=set(KINDS), metavar="KINDS",
-                        help="which outputs: raw (npy, class-id/alpha PNGs, features), json (pose), vis (pictures); "
-                             "default: raw,json,vis")
+    parser.add_argument("--save", type=parse_kinds_arg, default=set(DEFAULT_KINDS), metavar="KINDS",
+                        help="which outputs: raw (npy, class-id/alpha PNGs, features), json (pose), vis (pictures), "
+                             "openpose (NAME_keypoints.json), coco (OUT/coco_keypoints.json), ply (NAME.pointmap.ply), "
+                             "depth16 (NAME.depth16.png, mm); default: raw,json,vis")
+    parser.add_argument("--coco-format", choices=formats.COCO_FORMATS, default="coco17",
+                        help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), keypoints308")
     parser.add_argument("--random-init", choices=["never", "fallback", "always"], default="never",
                         help="random weights instead of checkpoints: 'fallback' when a download fails (for demos "
                              "and smoke tests; outputs are meaningless)")
@@ -870,7 +888,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, argv: list[str]) -> int:
     start = time.perf_counter()
     tasks, out = parse_tasks(args.task), Path(args.output)
-    if not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
+    coco = "coco" in args.save and "pose" in tasks
+    if not coco and not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
         raise UsageError(f"--save {','.join(sorted(args.save))} writes nothing for {','.join(tasks)}")
     boxes = read_boxes_file(args.boxes) if args.boxes else None
     items = collect_inputs(args.inputs, exclude=out.resolve())
@@ -884,7 +903,8 @@ def run(args, argv: list[str]) -> int:
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
-                  args.mask_with_seg, boxes, names=output_names(items))
+                  args.mask_with_seg, boxes, names=output_names(items),
+                  coco=formats.CocoResults(args.coco_format) if coco else None)
     mine = shard(items, rank, world)
     todo = [item for item in mine if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
@@ -898,6 +918,8 @@ def run(args, argv: list[str]) -> int:
     finally:
         progress.close()
         finish_manifest(manifest, ctx, progress, skipped=len(mine) - len(todo), elapsed=time.perf_counter() - start)
+        if ctx.coco is not None:
+            write_coco_results(ctx, [item for item in mine if item not in set(todo)], rank, world)
         write_manifest(manifest_path(out, rank, world), manifest)
     print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {len(mine) - len(todo)} skipped "
           f"(already done); {progress.rate():.2f} img/s; manifest {manifest_path(out, rank, world)}", file=sys.stderr)
@@ -906,6 +928,17 @@ def run(args, argv: list[str]) -> int:
     # NOTE: under torchrun a rank with failed images still exits 0: torchrun stops every rank as soon as one
     # exits non-zero, which would end the whole run. The failures are in each rank's manifest.
     return 1 if ctx.errors and world == 1 else 0
+
+
+def write_coco_results(ctx: Context, skipped: list[InputImage], rank: int, world: int):
+    """OUT/coco_keypoints.json (one per rank, like run.json): this run's people, and those of the images
+    --skip-existing skipped, read back from their pose.json."""
+    for item in skipped:
+        if not ctx.coco.add_from_pose_json(ctx.names[item], ctx.out / (ctx.names[item] + ".pose.json")):
+            print(f"warning: {item.path}: skipped as done, but without a pose.json it is missing from the COCO "
+                  f"results (rerun it without --skip-existing)", file=sys.stderr)
+    name = "coco_keypoints.json" if world == 1 else f"coco_keypoints.rank{rank}-of-{world}.json"
+    save_artefact(ctx.out / name, ctx.coco.results())
 
 
 def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
@@ -917,6 +950,7 @@ def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
         "settings": {"device": str(ctx.device), "dtype": dtype, "batch_size": ctx.batch_size,
                      "size": list(args.size) if args.size else None, "flip_test": args.flip, "rope": args.rope,
                      "mask_with_seg": args.mask_with_seg, "boxes": args.boxes, "save": sorted(args.save),
+                     "coco_format": args.coco_format if "coco" in args.save else None,
                      "skip_existing": args.skip_existing, "output": str(ctx.out)},
         "versions": versions(), "shard": shard_info,
     }
