@@ -40,6 +40,8 @@ from safetensors.torch import save_file
 import formats
 import heads
 import processing
+import tracking
+import video
 import weights
 from metadata import keypoint_metadata
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
@@ -58,7 +60,9 @@ ARTEFACTS = {
     "albedo": {".albedo.png": {"raw", "vis"}},
     "features": {".features.safetensors": {"raw"}},
 }
-OUTPUT_SUFFIXES = tuple(suffix for files in ARTEFACTS.values() for suffix in files)
+PICTURE_SUFFIXES = tuple(s for files in ARTEFACTS.values() for s, kinds in files.items() if "vis" in kinds)
+OUTPUT_SUFFIXES = (tuple(suffix for files in ARTEFACTS.values() for suffix in files)
+                   + tuple(video.overlay_suffix(s) for s in PICTURE_SUFFIXES))  # + a video's overlay videos
 MASKED_TASKS = ("normal", "pointmap", "albedo")  # what --mask-with-seg masks
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm"}
 LIST_SUFFIXES = {".txt", ".lst", ".list"}
@@ -133,7 +137,7 @@ def wanted(path: Path, exclude: Path | None) -> bool:
     """An image file by its name, and not one of our pictures in the output folder `exclude` (with -o inside
     the input folder, a second run would otherwise take the first one's overlays for photos)."""
     ours = path.name.endswith(OUTPUT_SUFFIXES) and exclude is not None and path.resolve().is_relative_to(exclude)
-    return path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES and not ours
+    return path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES or video.is_video(path)) and not ours
 
 
 def glob_base(pattern: str) -> Path:
@@ -588,7 +592,7 @@ def pose_json(item: InputImage, image: torch.Tensor, value: dict) -> dict:
         flat = entry["keypoints"]  # [x0, y0, s0, x1, y1, s1, ...]
         keypoints = [[round(x, 2), round(y, 2), round(s, 4)] for x, y, s in zip(flat[0::3], flat[1::3], flat[2::3])]
         people.append({"box": [round(v, 2) for v in person["bbox"].tolist()], "score": round(entry["score"], 4),
-                       "keypoints": keypoints})
+                       "keypoints": keypoints, **tracking.json_fields(person)})  # video: track_id, keypoints_raw
     return {"image": item.relative, "width": int(image.shape[-1]), "height": int(image.shape[-2]),
             "box_source": value["box_source"], "people": people,
             "keypoint_names": keypoint_metadata()["keypoint_names"]}
@@ -656,8 +660,10 @@ def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: d
 # ----------------------------------------------------------------------------------------------------
 # The run: batches, per-image errors, progress
 # ----------------------------------------------------------------------------------------------------
-def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress: "Progress"):
-    """Infer and write a batch; if the batch fails, retry image by image so only the bad one is lost."""
+def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress: "Progress", write=None):
+    """Infer and write a batch (with `write`, default write_outputs; videos track people first); if the batch
+    fails, retry image by image so only the bad one is lost."""
+    write = write or write_outputs
     if not pairs:
         return
     try:
@@ -667,12 +673,12 @@ def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
             for pair in pairs:
-                process(ctx, [pair], progress)
+                process(ctx, [pair], progress, write)
             return
         return fail(ctx, pairs[0][0], error, progress)
     for (item, image), result in zip(pairs, results):
         try:
-            write_outputs(ctx, item, image, result)
+            write(ctx, item, image, result)
         except Exception as error:  # noqa: BLE001
             fail(ctx, item, error, progress)
         else:
@@ -834,6 +840,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "depth16 (NAME.depth16.png, mm); default: raw,json,vis")
     parser.add_argument("--coco-format", choices=formats.COCO_FORMATS, default="coco17",
                         help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), keypoints308")
+    clips = parser.add_argument_group("videos (.mp4 .mov .avi .mkv .webm .m4v inputs; needs PyAV: pip install av)")
+    clips.add_argument("--every", type=int, default=1, metavar="N", help="every Nth frame (default: all)")
+    clips.add_argument("--start", type=int, default=0, metavar="S", help="first frame index (zero-based)")
+    clips.add_argument("--end", type=int, metavar="E", help="stop before frame index E (default: the end)")
+    clips.add_argument("--track-patience", type=int, default=tracking.DEFAULT_PATIENCE, metavar="N",
+                       help="pose: processed frames a person may be missed and keep their track id (default: "
+                            "%(default)s)")
+    clips.add_argument("--smooth", action="store_true",
+                       help="pose: One-Euro filter the keypoints of each track (pose.json keeps keypoints_raw)")
+    clips.add_argument("--smooth-min-cutoff", type=float, default=tracking.OneEuroSettings.min_cutoff,
+                       metavar="HZ", help="One-Euro cutoff when still; lower = smoother (default: %(default)s)")
+    clips.add_argument("--smooth-beta", type=float, metavar="BETA", default=tracking.OneEuroSettings.beta,
+                       help="One-Euro speed coefficient, per person height per second; higher = less lag when "
+                            "moving (default: %(default)s)")
     parser.add_argument("--random-init", choices=["never", "fallback", "always"], default="never",
                         help="random weights instead of checkpoints: 'fallback' when a download fails (for demos "
                              "and smoke tests; outputs are meaningless)")
@@ -906,28 +926,69 @@ def run(args, argv: list[str]) -> int:
                   args.mask_with_seg, boxes, names=output_names(items),
                   coco=formats.CocoResults(args.coco_format) if coco else None)
     mine = shard(items, rank, world)
-    todo = [item for item in mine if not (args.skip_existing and all_written(ctx, item))]
+    clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
+    if clips:
+        try:
+            video.require_av()
+        except ImportError as error:
+            raise UsageError(f"{clips[0].path}: {error}") from None
+    images = [item for item in mine if not video.is_video(item.path)]
+    todo = [item for item in images if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
     manifest["timings_s"] = {"load_models": round(time.perf_counter() - start, 3)}
     write_manifest(manifest_path(out, rank, world), manifest)
     prefix = f"[rank {rank}/{world}] " if world > 1 else ""
-    progress = Progress(len(todo), prefix, enabled=rank == 0 or not sys.stderr.isatty())
+    frames = sum(video.expected_frames(clip.path, settings.selection) for clip in clips)
+    progress = Progress(len(todo) + frames, prefix, enabled=rank == 0 or not sys.stderr.isatty())
     try:
         for i in range(0, len(todo), batch_size):
             process(ctx, load_batch(ctx, todo[i : i + batch_size], progress), progress)
+        for clip in clips:
+            manifest.setdefault("videos", {})[clip.relative] = process_video(ctx, clip, settings, progress)
     finally:
         progress.close()
-        finish_manifest(manifest, ctx, progress, skipped=len(mine) - len(todo), elapsed=time.perf_counter() - start)
+        finish_manifest(manifest, ctx, progress, skipped=len(images) - len(todo), elapsed=time.perf_counter() - start)
         if ctx.coco is not None:
-            write_coco_results(ctx, [item for item in mine if item not in set(todo)], rank, world)
+            pending = set(todo)
+            write_coco_results(ctx, [item for item in images if item not in pending], rank, world)
         write_manifest(manifest_path(out, rank, world), manifest)
-    print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {len(mine) - len(todo)} skipped "
+    print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {len(images) - len(todo)} skipped "
           f"(already done); {progress.rate():.2f} img/s; manifest {manifest_path(out, rank, world)}", file=sys.stderr)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     # NOTE: under torchrun a rank with failed images still exits 0: torchrun stops every rank as soon as one
     # exits non-zero, which would end the whole run. The failures are in each rank's manifest.
     return 1 if ctx.errors and world == 1 else 0
+
+
+def video_settings(args, ctx: Context) -> video.VideoSettings:
+    """--every/--start/--end, --track-patience, --smooth*, and which pictures become overlay videos."""
+    if args.every < 1 or args.start < 0 or (args.end is not None and args.end <= args.start):
+        raise UsageError(f"frames are selected by --every N >= 1, --start S >= 0, --end E > S; got --every "
+                         f"{args.every} --start {args.start} --end {args.end}")
+    if args.track_patience < 0 or args.smooth_min_cutoff <= 0 or args.smooth_beta < 0:
+        raise UsageError("--track-patience and --smooth-beta must be >= 0, --smooth-min-cutoff > 0")
+    smoothing = tracking.OneEuroSettings(args.smooth_min_cutoff, args.smooth_beta) if args.smooth else None
+    pictures = [s for task in ctx.tasks for s, kinds in ARTEFACTS[task].items() if "vis" in (kinds & ctx.kinds)]
+    return video.VideoSettings(video.FrameSelection(args.every, args.start, args.end), args.skip_existing,
+                               args.track_patience, smoothing, tuple(pictures))
+
+
+VIDEO_PIPELINE = video.Pipeline(process, write_outputs, all_written, save_artefact)
+
+
+def process_video(ctx: Context, clip: InputImage, settings: video.VideoSettings, progress: Progress) -> dict:
+    """A video's frames through the pipeline (video.py); one that cannot be read, or is damaged partway, is
+    reported like a bad image (its frames before the damage are kept). Returns its summary for run.json."""
+    try:
+        summary = video.VideoRun(ctx, clip, settings, progress, VIDEO_PIPELINE).run()
+    except Exception as error:  # noqa: BLE001 (as for images: one bad input must not end the run)
+        summary = {"error": error}
+    if "error" in summary:
+        progress.total += 1  # the failure counts as one item done
+        fail(ctx, clip, summary["error"], progress)
+        summary["error"] = f"{type(summary['error']).__name__}: {summary['error']}"
+    return summary
 
 
 def write_coco_results(ctx: Context, skipped: list[InputImage], rank: int, world: int):
@@ -951,7 +1012,11 @@ def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
                      "size": list(args.size) if args.size else None, "flip_test": args.flip, "rope": args.rope,
                      "mask_with_seg": args.mask_with_seg, "boxes": args.boxes, "save": sorted(args.save),
                      "coco_format": args.coco_format if "coco" in args.save else None,
-                     "skip_existing": args.skip_existing, "output": str(ctx.out)},
+                     "skip_existing": args.skip_existing, "output": str(ctx.out),
+                     "video": {"every": args.every, "start": args.start, "end": args.end,
+                               "track_patience": args.track_patience, "smooth": args.smooth and {
+                                   "min_cutoff": args.smooth_min_cutoff, "beta": args.smooth_beta,
+                                   "d_cutoff": tracking.OneEuroSettings.d_cutoff}}},
         "versions": versions(), "shard": shard_info,
     }
 
