@@ -37,15 +37,25 @@ def keypoint_arrays(person: dict, key: str = "keypoints") -> tuple[np.ndarray, n
     return xy, scores
 
 
+def at_file_precision(person: dict) -> dict:
+    """A person rounded as pose.json writes it (0.01 px, scores to 4 decimals), so what is computed from a
+    fresh result and from its file read back is the same to the last digit."""
+    xy, scores = keypoint_arrays(person)
+    return {"keypoints": torch.tensor([[round(x, 2), round(y, 2)] for x, y in xy.tolist()], dtype=torch.float64),
+            "scores": torch.tensor([round(s, 4) for s in scores.tolist()], dtype=torch.float64),
+            "labels": torch.arange(len(scores)),
+            "bbox": torch.tensor([round(v, 2) for v in person["bbox"].tolist()], dtype=torch.float64)}
+
+
 def people_from_pose_json(data: dict) -> list[dict]:
     """The people of a NAME.pose.json back as person dicts (to resume a run from its files)."""
     people = []
     for entry in data["people"]:
-        table = torch.tensor(entry["keypoints"], dtype=torch.float32)  # (308, 3) x, y, score
+        table = torch.tensor(entry["keypoints"], dtype=torch.float64)  # (308, 3) x, y, score, as written
         person = {"keypoints": table[:, :2], "scores": table[:, 2], "labels": torch.arange(len(table)),
-                  "bbox": torch.tensor(entry["box"], dtype=torch.float32)}
+                  "bbox": torch.tensor(entry["box"], dtype=torch.float64)}
         if "keypoints_raw" in entry:
-            person["keypoints_raw"] = torch.tensor(entry["keypoints_raw"], dtype=torch.float32)[:, :2]
+            person["keypoints_raw"] = torch.tensor(entry["keypoints_raw"], dtype=torch.float64)[:, :2]
         if "track_id" in entry:
             person["track_id"] = entry["track_id"]
         people.append(person)
@@ -119,10 +129,11 @@ class CocoResults:
         self.images: dict[str, tuple[str, list[dict]]] = {}  # output name -> (image file, entries without id)
 
     def add(self, name: str, image_file: str, people: list[dict]):
-        entries = processing.pose_to_coco([people], [0], self.keypoint_format)
+        entries = processing.pose_to_coco([[at_file_precision(p) for p in people]], [0], self.keypoint_format)
         for entry in entries:
             del entry["image_id"]
             entry["bbox"] = [round(v, 2) for v in entry["bbox"]]
+            entry["score"] = round(entry["score"], 4)
         self.images[name] = (image_file, entries)
 
     def add_from_pose_json(self, name: str, path) -> bool:

@@ -947,12 +947,14 @@ def run(args, argv: list[str]) -> int:
             manifest.setdefault("videos", {})[clip.relative] = process_video(ctx, clip, settings, progress)
     finally:
         progress.close()
-        finish_manifest(manifest, ctx, progress, skipped=len(images) - len(todo), elapsed=time.perf_counter() - start)
+        skipped = len(images) - len(todo) + sum(v.get("frames_skipped_existing", 0) for v in
+                                                manifest.get("videos", {}).values())  # frames count as images
+        finish_manifest(manifest, ctx, progress, skipped=skipped, elapsed=time.perf_counter() - start)
         if ctx.coco is not None:
             pending = set(todo)
             write_coco_results(ctx, [item for item in images if item not in pending], rank, world)
         write_manifest(manifest_path(out, rank, world), manifest)
-    print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {len(images) - len(todo)} skipped "
+    print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {skipped} skipped "
           f"(already done); {progress.rate():.2f} img/s; manifest {manifest_path(out, rank, world)}", file=sys.stderr)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)

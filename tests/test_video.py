@@ -201,6 +201,40 @@ def test_smoothing_keeps_the_raw_keypoints(checkpoints, clip, boxes, video_run, 
     assert json.loads((tmp_path / "clip.tracks.json").read_text())["smoothing"]["beta"] == 5.0
 
 
+def test_resuming_a_smoothed_tracked_video_gives_the_files_of_one_run(checkpoints, clip, boxes, tmp_path, capsys):
+    """--skip-existing reads the done frames' people back (ids, raw keypoints for the filters): a frame redone
+    after them gets the same ids and smoothed keypoints as in one uninterrupted run; tracks and COCO too."""
+    args = ["pose", clip, "-o", tmp_path, "--boxes", boxes, "--smooth", "--save", "json,vis,coco",
+            *model_args(checkpoints, ["pose"])]
+    run_cli(*args, capsys=capsys)
+    first = {p.name: p.read_bytes() for p in [*tmp_path.glob("clip/*.pose.json"), tmp_path / "clip.tracks.json",
+                                               tmp_path / "coco_keypoints.json"]}
+    (tmp_path / "clip" / "000003.pose.json").unlink()
+    run_cli(*args, "--skip-existing", capsys=capsys)
+    assert json.loads((tmp_path / "run.json").read_text())["videos"]["clip.mp4"]["frames_written"] == 1
+    for name, content in first.items():
+        path = tmp_path / ("clip" if name.startswith("0") else "") / name
+        if name == "coco_keypoints.json":  # frame 3's entries are the redone frame's (below), the others exact
+            ours, theirs = json.loads(path.read_text()), json.loads(content)
+            assert [r for r in ours if r["image_id"] != 3] == [r for r in theirs if r["image_id"] != 3]
+            for a, b in zip(ours, theirs):
+                np.testing.assert_allclose(a["keypoints"], b["keypoints"], atol=0.0101)
+            continue
+        if name != "000003.pose.json":
+            assert path.read_bytes() == content, name  # skipped, or rebuilt exactly (tracks)
+            continue
+        # the redone frame: same ids and raw keypoints; the filters were fed the files' raw keypoints, which are
+        # rounded to 0.01 px, so the smoothed ones agree to that
+        ours, theirs = json.loads(path.read_text())["people"], json.loads(content)["people"]
+        assert [p["track_id"] for p in ours] == [p["track_id"] for p in theirs]
+        for a, b in zip(ours, theirs):
+            assert a["keypoints_raw"] == b["keypoints_raw"]
+            np.testing.assert_allclose(np.array(a["keypoints"]), np.array(b["keypoints"]), atol=0.0101)
+    results = json.loads(first["coco_keypoints.json"])
+    assert [r["image_id"] for r in results] == [i for i in range(FRAMES) for _ in range(2)]
+    assert results[0]["image_file"] == "clip.mp4#0"
+
+
 def test_one_euro_defaults_remove_jitter_without_lag():
     """The documented numbers: 30 fps, a 200 px tall person, jitter 0.5% of the height."""
     fps, height, steps = 30.0, 200.0, 300
