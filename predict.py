@@ -5,6 +5,7 @@
     python predict.py pose photos/ --boxes boxes.json          # your own person boxes (COCO xywh)
     python predict.py normal photos/ --model 1b --mask-with-seg
     torchrun --nproc-per-node 8 predict.py seg,pose photos/ -o out/   # each GPU takes its share
+    python predict.py pose clip.mp4 -o out/ --smooth           # videos (video.py): frames, overlays, track ids
 
 Tasks: seg, pose, normal, pointmap, matting, albedo, features. Outputs are mirrored under OUT by input path
 (`photos/a/b.jpg` -> `out/a/b.seg.png`, ...; see ARTEFACTS), plus a `run.json` manifest. A bad image is
