@@ -840,7 +840,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "openpose (NAME_keypoints.json), coco (OUT/coco_keypoints.json), ply (NAME.pointmap.ply), "
                              "depth16 (NAME.depth16.png, mm); default: raw,json,vis")
     parser.add_argument("--coco-format", choices=formats.COCO_FORMATS, default="coco17",
-                        help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), keypoints308")
+                        help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), "
+                             "keypoints308")
     clips = parser.add_argument_group("videos (.mp4 .mov .avi .mkv .webm .m4v inputs; needs PyAV: pip install av)")
     clips.add_argument("--every", type=int, default=1, metavar="N", help="every Nth frame (default: all)")
     clips.add_argument("--start", type=int, default=0, metavar="S", help="first frame index (zero-based)")

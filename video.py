@@ -244,6 +244,7 @@ class VideoRun:
                     if self.settings.skip_existing and self.pipeline.all_written(self.ctx, item):
                         self.flush(pending)
                         self.resume(item)
+                        self.forget([item])
                         continue
                     pending.append((item, image))
                     if len(pending) == self.ctx.batch_size:
@@ -265,7 +266,14 @@ class VideoRun:
         if pending:
             self.sent += len(pending)
             self.pipeline.process(self.ctx, list(pending), self.progress, self.write)
+            self.forget([item for item, _ in pending])
             pending.clear()
+
+    def forget(self, items: list):
+        """Frames done: their names go, so a long video's bookkeeping stays small."""
+        for item in items:
+            self.ctx.names.pop(item, None)
+            self.index.pop(item, None)
 
     def write(self, ctx, item, image, result: dict) -> dict:
         if self.tracker is not None and "pose" in result:
