@@ -258,8 +258,12 @@ class VideoRun:
             overlays = self.overlays.close(keep=completed)
             if completed and self.tracker is not None:
                 self.pipeline.save_artefact(self.ctx.out / f"{self.name}.tracks.json", self.tracks_json())
+        if completed and damaged is None and self.sent + self.skipped < expected:  # FFmpeg ends truncated files quietly
+            self.progress.note(f"warning: {self.clip.path}: {self.sent + self.skipped} of the {expected} selected "
+                               f"frames its header announces were decoded (a truncated file?)")
         summary = {"frames_written": self.written, "frames_skipped_existing": self.skipped, "fps": float(self.rate),
-                   "overlays": overlays, "tracks": len(self.tracker.tracks) if self.tracker else None}
+                   "frames_announced": expected, "overlays": overlays,
+                   "tracks": len(self.tracker.tracks) if self.tracker else None}
         return summary if damaged is None else {**summary, "error": damaged}
 
     def flush(self, pending: list):

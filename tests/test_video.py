@@ -292,6 +292,25 @@ def test_damaged_and_unreadable_videos_are_reported(checkpoints, clip, tmp_path,
     assert manifest["status"] == "finished"
 
 
+def test_a_truncated_video_is_written_as_far_as_it_goes_with_a_warning(checkpoints, tmp_path, capsys):
+    """FFmpeg reads a cut file as a shorter video without an error: the header's frame count gives it away."""
+    whole = tmp_path / "whole.avi"  # AVI: its header counts the frames, and a cut file still opens
+    with av.open(str(whole), "w") as container:
+        stream = container.add_stream("mpeg4", rate=RATE)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for index in range(12):
+            noise = np.random.default_rng(index).integers(0, 255, (32, 32, 3), np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(noise, format="rgb24")))
+        container.mux(stream.encode(None))
+    data = whole.read_bytes()
+    (tmp_path / "cut.avi").write_bytes(data[: len(data) // 2])
+    run_cli("seg", tmp_path / "cut.avi", "-o", tmp_path / "out", "--save", "raw", *model_args(checkpoints, ["seg"]),
+            capsys=capsys)
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())["videos"]["cut.avi"]
+    assert summary["frames_announced"] == 12 and 0 < summary["frames_written"] < 12
+    assert f"{summary['frames_written']} of the 12 selected frames" in capsys.readouterr().err
+
+
 def test_bad_frame_options(checkpoints, clip, capsys):
     seg = model_args(checkpoints, ["seg"])
     assert predict.main(["seg", str(clip), "--every", "0", *seg]) == 2
