@@ -5,6 +5,7 @@
     python predict.py pose photos/ --boxes boxes.json          # your own person boxes (COCO xywh)
     python predict.py normal photos/ --model 1b --mask-with-seg
     torchrun --nproc-per-node 8 predict.py seg,pose photos/ -o out/   # each GPU takes its share
+    python predict.py pose clip.mp4 -o out/ --smooth           # videos (video.py): frames, overlays, track ids
 
 Tasks: seg, pose, normal, pointmap, matting, albedo, features. Outputs are mirrored under OUT by input path
 (`photos/a/b.jpg` -> `out/a/b.seg.png`, ...; see ARTEFACTS), plus a `run.json` manifest. A bad image is
@@ -39,25 +40,32 @@ from PIL import Image, ImageDraw, ImageFont
 from safetensors.torch import save_file
 
 import detect
+import formats
 import heads
 import processing
+import tracking
+import video
 import weights
 from metadata import keypoint_metadata
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
 
 TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo", "features")
-KINDS = ("raw", "json", "vis")
+KINDS = ("raw", "json", "vis", "openpose", "coco", "ply", "depth16")
+DEFAULT_KINDS = ("raw", "json", "vis")  # the others are other tools' formats (formats.py), written when asked
 # What each task writes: file suffix -> the --save kinds that ask for it.
 ARTEFACTS = {
     "seg": {".seg.png": {"raw"}, ".seg_overlay.jpg": {"vis"}},
-    "pose": {".pose.json": {"json"}, ".pose_overlay.jpg": {"vis"}},
+    "pose": {".pose.json": {"json"}, ".pose_overlay.jpg": {"vis"}, "_keypoints.json": {"openpose"}},
     "normal": {".normal.npy": {"raw"}, ".normal.png": {"vis"}},
-    "pointmap": {".pointmap.npy": {"raw"}, ".depth.png": {"vis"}},
+    "pointmap": {".pointmap.npy": {"raw"}, ".depth.png": {"vis"}, ".pointmap.ply": {"ply"},
+                 ".depth16.png": {"depth16"}},
     "matting": {".alpha.png": {"raw"}, ".composite.jpg": {"vis"}},
     "albedo": {".albedo.png": {"raw", "vis"}},
     "features": {".features.safetensors": {"raw"}},
 }
-OUTPUT_SUFFIXES = tuple(suffix for files in ARTEFACTS.values() for suffix in files)
+PICTURE_SUFFIXES = tuple(s for files in ARTEFACTS.values() for s, kinds in files.items() if "vis" in kinds)
+OUTPUT_SUFFIXES = (tuple(suffix for files in ARTEFACTS.values() for suffix in files)
+                   + tuple(video.overlay_suffix(s) for s in PICTURE_SUFFIXES))  # + a video's overlay videos
 MASKED_TASKS = ("normal", "pointmap", "albedo")  # what --mask-with-seg masks
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm"}
 LIST_SUFFIXES = {".txt", ".lst", ".list"}
@@ -132,7 +140,7 @@ def wanted(path: Path, exclude: Path | None) -> bool:
     """An image file by its name, and not one of our pictures in the output folder `exclude` (with -o inside
     the input folder, a second run would otherwise take the first one's overlays for photos)."""
     ours = path.name.endswith(OUTPUT_SUFFIXES) and exclude is not None and path.resolve().is_relative_to(exclude)
-    return path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES and not ours
+    return path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES or video.is_video(path)) and not ours
 
 
 def glob_base(pattern: str) -> Path:
@@ -433,6 +441,7 @@ class Context:
     names: dict[InputImage, str] = field(default_factory=dict)
     detector: detect.PersonDetector | None = None  # any callable: images -> per image (K, 5) xywh + score
     seg_boxes: bool = True  # pose boxes from the seg blobs when there is no detector (--detector seg)
+    coco: formats.CocoResults | None = None  # --save coco: gathered image by image, written at the end
     timings: dict[str, float] = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)
     done: int = 0
@@ -578,13 +587,16 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
     if task == "pose":
         names = loaded.model.head_config.keypoint_names  # a keypoint set of your own (train.py), else the 308
         return {".pose.json": lambda: pose_json(item, image, value, names),
-                ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"]))}
+                ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"])),
+                "_keypoints.json": lambda: formats.openpose_json(value["people"])}
     if task == "normal":
         return {".normal.npy": lambda: hwc_array(value, mask),
                 ".normal.png": lambda: vis(processing.normals_to_image(value, mask))}
     if task == "pointmap":
         return {".pointmap.npy": lambda: hwc_array(value, mask),
-                ".depth.png": lambda: vis(depth_picture(value[2], mask))}
+                ".depth.png": lambda: vis(depth_picture(value[2], mask)),
+                ".pointmap.ply": lambda: formats.pointmap_ply(value, image, mask),
+                ".depth16.png": lambda: formats.depth16_image(value[2], mask)}
     if task == "matting":
         return {".alpha.png": lambda: Image.fromarray(processing.float_to_uint8(value["alpha"][0]).numpy()),
                 ".composite.jpg": lambda: vis(processing.to_pil(value["composite"]))}
@@ -620,7 +632,7 @@ def pose_json(item: InputImage, image: torch.Tensor, value: dict, names=None) ->
         flat = entry["keypoints"][: 3 * len(names)] if names else entry["keypoints"]  # [x0, y0, s0, x1, ...]
         keypoints = [[round(x, 2), round(y, 2), round(s, 4)] for x, y, s in zip(flat[0::3], flat[1::3], flat[2::3])]
         people.append({"box": [round(v, 2) for v in person["bbox"].tolist()], "score": round(entry["score"], 4),
-                       "keypoints": keypoints})
+                       "keypoints": keypoints, **tracking.json_fields(person)})  # video: track_id, keypoints_raw
         if value.get("detector_scores") is not None:
             people[-1]["detector_score"] = round(value["detector_scores"][i], 4)
     return {"image": item.relative, "width": int(image.shape[-1]), "height": int(image.shape[-2]),
@@ -647,7 +659,9 @@ def save_artefact(path: Path, value):
     value: a dict (.json), an array (.npy), (tensors, metadata) (.safetensors), a PIL image (.png, .jpg)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    if path.suffix == ".json":
+    if isinstance(value, bytes):  # .ply
+        partial.write_bytes(value)
+    elif path.suffix == ".json":
         partial.write_text(json.dumps(value))
     elif path.suffix == ".npy":
         with open(partial, "wb") as f:
@@ -671,19 +685,27 @@ def all_written(ctx: Context, item: InputImage) -> bool:
     return all(path.exists() for path in expected_outputs(ctx, item))
 
 
-def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: dict):
+def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: dict) -> dict:
+    """Writes an image's files; returns what went in them by suffix (videos encode the pictures)."""
+    written = {}
     for task in ctx.tasks:
         makers = render(task, item, image, result, ctx.models[task])
         for suffix, kinds in ARTEFACTS[task].items():
             if kinds & ctx.kinds:
-                save_artefact(ctx.out / (ctx.names[item] + suffix), makers[suffix]())
+                written[suffix] = makers[suffix]()
+                save_artefact(ctx.out / (ctx.names[item] + suffix), written[suffix])
+    if ctx.coco is not None and "pose" in result:
+        ctx.coco.add(ctx.names[item], item.relative, result["pose"]["people"])
+    return written
 
 
 # ----------------------------------------------------------------------------------------------------
 # The run: batches, per-image errors, progress
 # ----------------------------------------------------------------------------------------------------
-def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress: "Progress"):
-    """Infer and write a batch; if the batch fails, retry image by image so only the bad one is lost."""
+def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress: "Progress", write=None):
+    """Infer and write a batch (with `write`, default write_outputs; videos track people first); if the batch
+    fails, retry image by image so only the bad one is lost."""
+    write = write or write_outputs
     if not pairs:
         return
     try:
@@ -693,12 +715,12 @@ def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
             for pair in pairs:
-                process(ctx, [pair], progress)
+                process(ctx, [pair], progress, write)
             return
         return fail(ctx, pairs[0][0], error, progress)
     for (item, image), result in zip(pairs, results):
         try:
-            write_outputs(ctx, item, image, result)
+            write(ctx, item, image, result)
         except Exception as error:  # noqa: BLE001
             fail(ctx, item, error, progress)
         else:
@@ -858,9 +880,27 @@ def build_parser() -> argparse.ArgumentParser:
                              "in pictures)")
     parser.add_argument("--skip-existing", action="store_true",
                         help="skip images whose outputs all exist (resumes a run)")
-    parser.add_argument("--save", type=parse_kinds_arg, default=set(KINDS), metavar="KINDS",
-                        help="which outputs: raw (npy, class-id/alpha PNGs, features), json (pose), vis (pictures); "
-                             "default: raw,json,vis")
+    parser.add_argument("--save", type=parse_kinds_arg, default=set(DEFAULT_KINDS), metavar="KINDS",
+                        help="which outputs: raw (npy, class-id/alpha PNGs, features), json (pose), vis (pictures), "
+                             "openpose (NAME_keypoints.json), coco (OUT/coco_keypoints.json), ply (NAME.pointmap.ply), "
+                             "depth16 (NAME.depth16.png, mm); default: raw,json,vis")
+    parser.add_argument("--coco-format", choices=formats.COCO_FORMATS, default="coco17",
+                        help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), "
+                             "keypoints308")
+    clips = parser.add_argument_group("videos (.mp4 .mov .avi .mkv .webm .m4v inputs; needs PyAV: pip install av)")
+    clips.add_argument("--every", type=int, default=1, metavar="N", help="every Nth frame (default: all)")
+    clips.add_argument("--start", type=int, default=0, metavar="S", help="first frame index (zero-based)")
+    clips.add_argument("--end", type=int, metavar="E", help="stop before frame index E (default: the end)")
+    clips.add_argument("--track-patience", type=int, default=tracking.DEFAULT_PATIENCE, metavar="N",
+                       help="pose: processed frames a person may be missed and keep their track id (default: "
+                            "%(default)s)")
+    clips.add_argument("--smooth", action="store_true",
+                       help="pose: One-Euro filter the keypoints of each track (pose.json keeps keypoints_raw)")
+    clips.add_argument("--smooth-min-cutoff", type=float, default=tracking.OneEuroSettings.min_cutoff,
+                       metavar="HZ", help="One-Euro cutoff when still; lower = smoother (default: %(default)s)")
+    clips.add_argument("--smooth-beta", type=float, metavar="BETA", default=tracking.OneEuroSettings.beta,
+                       help="One-Euro speed coefficient, per person height per second; higher = less lag when "
+                            "moving (default: %(default)s)")
     parser.add_argument("--random-init", choices=["never", "fallback", "always"], default="never",
                         help="random weights instead of checkpoints: 'fallback' when a download fails (for demos "
                              "and smoke tests; outputs are meaningless)")
@@ -915,7 +955,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, argv: list[str]) -> int:
     start = time.perf_counter()
     tasks, out = parse_tasks(args.task), Path(args.output)
-    if not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
+    coco = "coco" in args.save and "pose" in tasks
+    if not coco and not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
         raise UsageError(f"--save {','.join(sorted(args.save))} writes nothing for {','.join(tasks)}")
     boxes = read_boxes_file(args.boxes) if args.boxes else None
     items = collect_inputs(args.inputs, exclude=out.resolve())
@@ -931,28 +972,85 @@ def run(args, argv: list[str]) -> int:
         print(random_banner(models), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
                   args.mask_with_seg, boxes, names=output_names(items), detector=detector,
-                  seg_boxes=detector is None and args.detector != "none")
+                  seg_boxes=detector is None and args.detector != "none",
+                  coco=formats.CocoResults(args.coco_format) if coco else None)
     mine = shard(items, rank, world)
-    todo = [item for item in mine if not (args.skip_existing and all_written(ctx, item))]
+    clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
+    if clips:
+        try:
+            video.require_av()
+        except ImportError as error:
+            raise UsageError(f"{clips[0].path}: {error}") from None
+    images = [item for item in mine if not video.is_video(item.path)]
+    todo = [item for item in images if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
     manifest["timings_s"] = {"load_models": round(time.perf_counter() - start, 3)}
     write_manifest(manifest_path(out, rank, world), manifest)
     prefix = f"[rank {rank}/{world}] " if world > 1 else ""
-    progress = Progress(len(todo), prefix, enabled=rank == 0 or not sys.stderr.isatty())
+    frames = sum(video.expected_frames(clip.path, settings.selection) for clip in clips)
+    progress = Progress(len(todo) + frames, prefix, enabled=rank == 0 or not sys.stderr.isatty())
     try:
         for i in range(0, len(todo), batch_size):
             process(ctx, load_batch(ctx, todo[i : i + batch_size], progress), progress)
+        for clip in clips:
+            manifest.setdefault("videos", {})[clip.relative] = process_video(ctx, clip, settings, progress)
     finally:
         progress.close()
-        finish_manifest(manifest, ctx, progress, skipped=len(mine) - len(todo), elapsed=time.perf_counter() - start)
+        skipped = len(images) - len(todo) + sum(v.get("frames_skipped_existing", 0) for v in
+                                                manifest.get("videos", {}).values())  # frames count as images
+        finish_manifest(manifest, ctx, progress, skipped=skipped, elapsed=time.perf_counter() - start)
+        if ctx.coco is not None:
+            pending = set(todo)
+            write_coco_results(ctx, [item for item in images if item not in pending], rank, world)
         write_manifest(manifest_path(out, rank, world), manifest)
-    print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {len(mine) - len(todo)} skipped "
+    print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {skipped} skipped "
           f"(already done); {progress.rate():.2f} img/s; manifest {manifest_path(out, rank, world)}", file=sys.stderr)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     # NOTE: under torchrun a rank with failed images still exits 0: torchrun stops every rank as soon as one
     # exits non-zero, which would end the whole run. The failures are in each rank's manifest.
     return 1 if ctx.errors and world == 1 else 0
+
+
+def video_settings(args, ctx: Context) -> video.VideoSettings:
+    """--every/--start/--end, --track-patience, --smooth*, and which pictures become overlay videos."""
+    if args.every < 1 or args.start < 0 or (args.end is not None and args.end <= args.start):
+        raise UsageError(f"frames are selected by --every N >= 1, --start S >= 0, --end E > S; got --every "
+                         f"{args.every} --start {args.start} --end {args.end}")
+    if args.track_patience < 0 or args.smooth_min_cutoff <= 0 or args.smooth_beta < 0:
+        raise UsageError("--track-patience and --smooth-beta must be >= 0, --smooth-min-cutoff > 0")
+    smoothing = tracking.OneEuroSettings(args.smooth_min_cutoff, args.smooth_beta) if args.smooth else None
+    pictures = [s for task in ctx.tasks for s, kinds in ARTEFACTS[task].items() if "vis" in (kinds & ctx.kinds)]
+    return video.VideoSettings(video.FrameSelection(args.every, args.start, args.end), args.skip_existing,
+                               args.track_patience, smoothing, tuple(pictures))
+
+
+VIDEO_PIPELINE = video.Pipeline(process, write_outputs, all_written, save_artefact)
+
+
+def process_video(ctx: Context, clip: InputImage, settings: video.VideoSettings, progress: Progress) -> dict:
+    """A video's frames through the pipeline (video.py); one that cannot be read, or is damaged partway, is
+    reported like a bad image (its frames before the damage are kept). Returns its summary for run.json."""
+    try:
+        summary = video.VideoRun(ctx, clip, settings, progress, VIDEO_PIPELINE).run()
+    except Exception as error:  # noqa: BLE001 (as for images: one bad input must not end the run)
+        summary = {"error": error}
+    if "error" in summary:
+        progress.total += 1  # the failure counts as one item done
+        fail(ctx, clip, summary["error"], progress)
+        summary["error"] = f"{type(summary['error']).__name__}: {summary['error']}"
+    return summary
+
+
+def write_coco_results(ctx: Context, skipped: list[InputImage], rank: int, world: int):
+    """OUT/coco_keypoints.json (one per rank, like run.json): this run's people, and those of the images
+    --skip-existing skipped, read back from their pose.json."""
+    for item in skipped:
+        if not ctx.coco.add_from_pose_json(ctx.names[item], ctx.out / (ctx.names[item] + ".pose.json")):
+            print(f"warning: {item.path}: skipped as done, but without a pose.json it is missing from the COCO "
+                  f"results (rerun it without --skip-existing)", file=sys.stderr)
+    name = "coco_keypoints.json" if world == 1 else f"coco_keypoints.rank{rank}-of-{world}.json"
+    save_artefact(ctx.out / name, ctx.coco.results())
 
 
 def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
@@ -966,7 +1064,12 @@ def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
                      "mask_with_seg": args.mask_with_seg, "boxes": args.boxes,
                      "detector": None if args.boxes or "pose" not in ctx.tasks else args.detector,
                      "save": sorted(args.save),
-                     "skip_existing": args.skip_existing, "output": str(ctx.out)},
+                     "coco_format": args.coco_format if "coco" in args.save else None,
+                     "skip_existing": args.skip_existing, "output": str(ctx.out),
+                     "video": {"every": args.every, "start": args.start, "end": args.end,
+                               "track_patience": args.track_patience, "smooth": args.smooth and {
+                                   "min_cutoff": args.smooth_min_cutoff, "beta": args.smooth_beta,
+                                   "d_cutoff": tracking.OneEuroSettings.d_cutoff}}},
         "versions": versions(), "shard": shard_info,
     }
 

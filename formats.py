@@ -1,0 +1,192 @@
+"""Files other tools read: OpenPose JSON, COCO keypoint results, PLY point clouds, 16-bit depth PNGs.
+
+Each function turns one result of predict.py (pose people, a pointmap) into what goes in the file;
+predict.py writes it (atomically, like its other outputs). The keypoint mappings come from data/openpose.json
+(OpenPose) and data/keypoints308.json (COCO), checked against the 308 names when first read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+
+import numpy as np
+import torch
+from PIL import Image
+
+import processing
+from metadata import DATA_DIR, keypoint_metadata
+
+OPENPOSE_VERSION = 1.3  # the layout below: people[] with person_id and the *_keypoints_2d / *_3d arrays
+OPENPOSE_PARTS = ("pose_keypoints_2d", "face_keypoints_2d", "hand_left_keypoints_2d", "hand_right_keypoints_2d")
+COCO_FORMATS = ("coco17", "coco_wholebody", "keypoints308")
+DEPTH16_SCALE = 1000.0  # depth16 PNGs hold millimetres
+
+
+# ----------------------------------------------------------------------------------------------------
+# People: predict.py's person dicts <-> arrays in the 308-keypoint order
+# ----------------------------------------------------------------------------------------------------
+def keypoint_arrays(person: dict, key: str = "keypoints") -> tuple[np.ndarray, np.ndarray]:
+    """(308, 2) xy and (308,) scores of a person; keypoints a result lacks (thresholded away) are 0, 0, 0."""
+    count = keypoint_metadata()["num_keypoints"]
+    xy, scores = np.zeros((count, 2), np.float64), np.zeros(count, np.float64)
+    labels = person["labels"].cpu().numpy() if "labels" in person else np.arange(count)
+    xy[labels] = torch.as_tensor(person[key]).float().cpu().numpy()
+    scores[labels] = torch.as_tensor(person["scores"]).float().cpu().numpy()
+    return xy, scores
+
+
+def at_file_precision(person: dict) -> dict:
+    """A person rounded as pose.json writes it (0.01 px, scores to 4 decimals), so what is computed from a
+    fresh result and from its file read back is the same to the last digit."""
+    xy, scores = keypoint_arrays(person)
+    return {"keypoints": torch.tensor([[round(x, 2), round(y, 2)] for x, y in xy.tolist()], dtype=torch.float64),
+            "scores": torch.tensor([round(s, 4) for s in scores.tolist()], dtype=torch.float64),
+            "labels": torch.arange(len(scores)),
+            "bbox": torch.tensor([round(v, 2) for v in person["bbox"].tolist()], dtype=torch.float64)}
+
+
+def people_from_pose_json(data: dict) -> list[dict]:
+    """The people of a NAME.pose.json back as person dicts (to resume a run from its files)."""
+    people = []
+    for entry in data["people"]:
+        table = torch.tensor(entry["keypoints"], dtype=torch.float64)  # (308, 3) x, y, score, as written
+        person = {"keypoints": table[:, :2], "scores": table[:, 2], "labels": torch.arange(len(table)),
+                  "bbox": torch.tensor(entry["box"], dtype=torch.float64)}
+        if "keypoints_raw" in entry:
+            person["keypoints_raw"] = torch.tensor(entry["keypoints_raw"], dtype=torch.float64)[:, :2]
+        if "track_id" in entry:
+            person["track_id"] = entry["track_id"]
+        people.append(person)
+    return people
+
+
+# ----------------------------------------------------------------------------------------------------
+# OpenPose: NAME_keypoints.json
+# ----------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def openpose_table() -> dict[str, list[list[int]]]:
+    """data/openpose.json as indices: per OpenPose part, per point, the 308-keypoint indices it is the mean of
+    (empty: Sapiens2 has no such point). An unknown name is an error naming it."""
+    table = json.loads((DATA_DIR / "openpose.json").read_text())
+    index = {name: i for i, name in enumerate(keypoint_metadata()["keypoint_names"])}
+    parts = {}
+    for part in OPENPOSE_PARTS:
+        rows = []
+        for label, source in table[part]:
+            names = [] if source is None else [source] if isinstance(source, str) else list(source)
+            unknown = [name for name in names if name not in index]
+            if unknown:
+                raise ValueError(f"data/openpose.json: {part} {label}: {unknown} are not keypoints308 names")
+            rows.append([index[name] for name in names])
+        parts[part] = rows
+    return parts
+
+
+def openpose_values(xy: np.ndarray, scores: np.ndarray, rows: list[list[int]]) -> list[float]:
+    """[x0, y0, c0, x1, y1, c1, ...]: each point the mean of its sources, its confidence their lowest score."""
+    values = []
+    for sources in rows:
+        if not sources:
+            values += [0.0, 0.0, 0.0]
+            continue
+        x, y = xy[sources].mean(axis=0)
+        values += [round(float(x), 2), round(float(y), 2), round(float(scores[sources].min()), 4)]
+    return values
+
+
+def openpose_json(people: list[dict]) -> dict:
+    """OpenPose's --write_json layout for one image. person_id is the track id in videos, else -1 (as
+    OpenPose writes without tracking). Scores are Sapiens2's heatmap maxima, not thresholded."""
+    table, entries = openpose_table(), []
+    for person in people:
+        xy, scores = keypoint_arrays(person)
+        entry = {"person_id": [int(person.get("track_id", -1))]}
+        for part in OPENPOSE_PARTS:
+            entry[part] = openpose_values(xy, scores, table[part])
+        for part in OPENPOSE_PARTS:
+            entry[part.replace("_2d", "_3d")] = []
+        entries.append(entry)
+    return {"version": OPENPOSE_VERSION, "people": entries}
+
+
+# ----------------------------------------------------------------------------------------------------
+# COCO: one OUT/coco_keypoints.json per run
+# ----------------------------------------------------------------------------------------------------
+class CocoResults:
+    """COCO keypoint-detection results gathered image by image (processing.pose_to_coco), written once at the
+    end: a list of {image_id, category_id, keypoints (or the five WholeBody parts), score, bbox} plus
+    "image_file" (the input's relative path, `clip.mp4#12` for a video frame).
+
+    image_id: the number in the file name when every image has one (COCO's own `000000397133.jpg`, video
+    frames `000012`) and they are distinct, else the position of the image in the sorted file names."""
+
+    def __init__(self, keypoint_format: str = "coco17"):
+        if keypoint_format not in COCO_FORMATS:
+            raise ValueError(f"COCO keypoint format must be one of {', '.join(COCO_FORMATS)}, got {keypoint_format!r}")
+        self.keypoint_format = keypoint_format
+        self.images: dict[str, tuple[str, list[dict]]] = {}  # output name -> (image file, entries without id)
+
+    def add(self, name: str, image_file: str, people: list[dict]):
+        entries = processing.pose_to_coco([[at_file_precision(p) for p in people]], [0], self.keypoint_format)
+        for entry in entries:
+            del entry["image_id"]
+            entry["bbox"] = [round(v, 2) for v in entry["bbox"]]
+            entry["score"] = round(entry["score"], 4)
+        self.images[name] = (image_file, entries)
+
+    def add_from_pose_json(self, name: str, path) -> bool:
+        """An image skipped by --skip-existing: its people from its pose.json. False when there is none."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        self.add(name, data["image"], people_from_pose_json(data))
+        return True
+
+    def results(self) -> list[dict]:
+        names = sorted(self.images)
+        numbers = [re.fullmatch(r"\d+", name.rsplit("/", 1)[-1]) for name in names]
+        numbered = all(numbers) and len({int(n[0]) for n in numbers}) == len(names)
+        ids = [int(n[0]) for n in numbers] if numbered else list(range(len(names)))
+        return [{"image_id": image_id, **entry, "image_file": self.images[name][0]}
+                for image_id, name in zip(ids, names) for entry in self.images[name][1]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Point clouds and depth
+# ----------------------------------------------------------------------------------------------------
+PLY_VERTEX = np.dtype([("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("red", "u1"), ("green", "u1"), ("blue", "u1")])
+
+
+def pointmap_ply(pointmap: torch.Tensor, image: torch.Tensor, mask: torch.Tensor | None = None) -> bytes:
+    """A (3, H, W) pointmap coloured by the (3, H, W) photo -> binary little-endian PLY: x y z float32 (the
+    pointmap's metric camera-frame XYZ, as in NAME.pointmap.npy) + red green blue uchar, one vertex per valid
+    pixel (finite, and inside `mask` when given), in row-major pixel order."""
+    points = pointmap.float().permute(1, 2, 0).reshape(-1, 3).cpu().numpy()  # (H*W, 3)
+    colors = image.float().round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).reshape(-1, 3).cpu().numpy()
+    valid = np.isfinite(points).all(axis=1)
+    if mask is not None:
+        valid &= mask.bool().reshape(-1).cpu().numpy()
+    vertices = np.empty(int(valid.sum()), PLY_VERTEX)
+    for axis, name in enumerate("xyz"):
+        vertices[name] = points[valid, axis]
+    for channel, name in enumerate(("red", "green", "blue")):
+        vertices[name] = colors[valid, channel]
+    header = ("ply\nformat binary_little_endian 1.0\ncomment sapiens2 pointmap: metric XYZ in the camera frame\n"
+              f"element vertex {len(vertices)}\nproperty float x\nproperty float y\nproperty float z\n"
+              "property uchar red\nproperty uchar green\nproperty uchar blue\nend_header\n")
+    return header.encode("ascii") + vertices.tobytes()
+
+
+def depth16_image(depth: torch.Tensor, mask: torch.Tensor | None = None) -> Image.Image:
+    """(H, W) metric depth -> 16-bit PNG of millimetres, rounded. 0 = invalid: not finite, <= 0, outside the
+    mask, or beyond 65.535 m (what 16 bits hold; written as invalid rather than clipped to a wrong depth)."""
+    millimetres = depth.double().cpu().numpy() * DEPTH16_SCALE
+    with np.errstate(invalid="ignore"):
+        valid = np.isfinite(millimetres) & (millimetres >= 0.5) & (millimetres < 65535.5)
+    if mask is not None:
+        valid &= mask.bool().cpu().numpy()
+    values = np.where(valid, np.round(np.nan_to_num(millimetres)), 0).astype(np.uint16)
+    return Image.fromarray(values)  # mode I;16: PNG stores it as 16-bit greyscale

@@ -1,0 +1,312 @@
+"""Videos for predict.py: frames decoded in order and pushed through the image pipeline in batches (never the
+whole video in memory), per-frame files `OUT/NAME/000123.*`, one overlay video per picture kind at the source
+frame rate, tracked (and optionally smoothed) people, `OUT/NAME.tracks.json`.
+
+PyAV (`pip install av`) is optional: it is imported only when a video is read or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+import formats
+import tracking
+
+VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
+ENCODERS = ("libx264", "mpeg4")  # H.264 where FFmpeg has it, else MPEG-4 part 2 (in every FFmpeg build)
+H264_QUALITY = "18"  # x264 CRF: visually lossless for these pictures
+DEFAULT_RATE = Fraction(30)  # when a file does not say its frame rate
+
+
+def is_video(path: Path) -> bool:
+    return path.suffix.lower() in VIDEO_SUFFIXES
+
+
+def require_av():
+    """The PyAV module, or an ImportError that says how to install it."""
+    try:
+        import av
+    except ImportError:
+        raise ImportError("reading and writing videos needs PyAV: pip install av") from None
+    return av
+
+
+def overlay_suffix(picture_suffix: str) -> str:
+    """`.seg_overlay.jpg` -> `.seg_overlay.mp4`: the overlay video of a picture kind."""
+    return picture_suffix.rsplit(".", 1)[0] + ".mp4"
+
+
+def frame_name(video_name: str, index: int) -> str:
+    """The output name of a frame: `clip/000123` (zero-based index, six digits)."""
+    return f"{video_name}/{index:06d}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FrameSelection:
+    """--every N --start S --end E: frames S, S + N, S + 2N, ... before E (exclusive; None: to the end)."""
+    every: int = 1
+    start: int = 0
+    end: int | None = None
+
+    def selects(self, index: int) -> bool:
+        return index >= self.start and not self.past(index) and (index - self.start) % self.every == 0
+
+    def past(self, index: int) -> bool:
+        return self.end is not None and index >= self.end
+
+    def count(self, frames: int) -> int:
+        """How many of `frames` frames are selected."""
+        stop = frames if self.end is None else min(frames, self.end)
+        return max(0, -(-(stop - self.start) // self.every))
+
+
+def stream_rate(stream) -> Fraction:
+    return Fraction(stream.average_rate or stream.guessed_rate or DEFAULT_RATE)
+
+
+def expected_frames(path: Path, selection: FrameSelection) -> int:
+    """The selected frames of a video by its header (for the progress bar); 0 when it does not say."""
+    av = require_av()
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            frames = stream.frames or int(float(stream.duration * stream.time_base * stream_rate(stream))
+                                          if stream.duration else 0)
+    except (av.FFmpegError, IndexError, OSError):
+        return 0
+    return selection.count(frames)
+
+
+def decode(path: Path, selection: FrameSelection) -> Iterator[tuple[int, torch.Tensor]]:
+    """(frame index, (3, H, W) uint8 RGB) of the selected frames, in order, one at a time. Frames before
+    --start are decoded and dropped (exact indices, no keyframe seeking); decoding stops at --end."""
+    av = require_av()
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"  # frame-parallel decoding; frames still come out in order
+        for index, frame in enumerate(container.decode(stream)):
+            if selection.past(index):
+                break
+            if selection.selects(index):
+                yield index, torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Encoding
+# ----------------------------------------------------------------------------------------------------
+def pick_encoder(av) -> str:
+    for name in ENCODERS:
+        try:
+            av.codec.Codec(name, "w")
+            return name
+        except (av.FFmpegError, ValueError):  # not in this FFmpeg build
+            continue
+    raise RuntimeError(f"FFmpeg has none of the video encoders {', '.join(ENCODERS)}")
+
+
+class VideoWriter:
+    """An MP4 written frame by frame to NAME.partial, renamed to NAME by `close` (an interrupted run leaves no
+    file that looks complete). Frames of odd width/height are padded by one edge pixel (4:2:0 needs even)."""
+
+    def __init__(self, path: Path, rate: Fraction):
+        self.av = require_av()
+        self.path, self.rate = path, rate
+        self.partial = path.with_name(path.name + ".partial")
+        self.container = self.stream = None
+        self.frames = 0
+
+    def write(self, picture: Image.Image):
+        pixels = np.asarray(picture.convert("RGB"))
+        if self.stream is None:
+            self.open(*pixels.shape[:2])
+        pixels = np.pad(pixels, ((0, pixels.shape[0] % 2), (0, pixels.shape[1] % 2), (0, 0)), mode="edge")
+        if pixels.shape[:2] != (self.stream.height, self.stream.width):
+            raise ValueError(f"{self.path}: frame {self.frames} is {pixels.shape[1]}x{pixels.shape[0]}, the video "
+                             f"{self.stream.width}x{self.stream.height}")
+        frame = self.av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
+        self.container.mux(self.stream.encode(frame))
+        self.frames += 1
+
+    def open(self, height: int, width: int):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.container = self.av.open(str(self.partial), "w", format="mp4")
+        encoder = pick_encoder(self.av)
+        self.stream = self.container.add_stream(encoder, rate=self.rate)
+        self.stream.width, self.stream.height = width + width % 2, height + height % 2
+        self.stream.pix_fmt = "yuv420p"
+        if encoder == "libx264":
+            self.stream.options = {"crf": H264_QUALITY}
+        else:  # MPEG-4's default 200 kb/s smears; ~2 bits per pixel-second of quality
+            self.stream.bit_rate = max(400_000, int(2 * width * height * float(self.rate)))
+
+    def close(self, keep: bool = True):
+        """Flush and rename (keep), or drop the partial file."""
+        if self.container is None:
+            return
+        if keep:
+            self.container.mux(self.stream.encode(None))
+        self.container.close()
+        if keep:
+            self.partial.replace(self.path)
+        else:
+            self.partial.unlink(missing_ok=True)
+
+
+class OverlayVideos:
+    """OUT/NAME.seg_overlay.mp4, ... : one video per picture kind, a frame per processed frame."""
+
+    def __init__(self, stem: Path, rate: Fraction, picture_suffixes: list[str]):
+        self.writers = {suffix: VideoWriter(stem.with_name(stem.name + overlay_suffix(suffix)), rate)
+                        for suffix in picture_suffixes}
+
+    def add(self, pictures: dict):
+        for suffix, writer in self.writers.items():
+            if suffix in pictures:
+                writer.write(pictures[suffix])
+
+    def close(self, keep: bool = True) -> list[str]:
+        for writer in self.writers.values():
+            writer.close(keep)
+        return [w.path.name for w in self.writers.values() if w.frames and keep]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A video through predict.py's pipeline
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pipeline:
+    """What predict.py lends a video: run a batch (infer, write with `write`, report failures), write one
+    frame's files, check a frame's files exist, write a file atomically."""
+    process: Callable  # (ctx, [(item, image)], progress, write) -> None
+    write_outputs: Callable  # (ctx, item, image, result) -> {suffix: what was written}
+    all_written: Callable  # (ctx, item) -> bool
+    save_artefact: Callable  # (path, value) -> None
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    selection: FrameSelection = FrameSelection()
+    skip_existing: bool = False
+    patience: int = tracking.DEFAULT_PATIENCE
+    smoothing: tracking.OneEuroSettings | None = None
+    picture_suffixes: tuple[str, ...] = ()  # the pictures that get an overlay video (empty: none)
+
+
+class VideoRun:
+    """One video: frames in order -> batches -> the image pipeline; people tracked before their files are
+    written, pictures encoded as they come, tracks.json at the end."""
+
+    def __init__(self, ctx, clip, settings: VideoSettings, progress, pipeline: Pipeline):
+        self.ctx, self.clip, self.settings, self.progress, self.pipeline = ctx, clip, settings, progress, pipeline
+        self.name = ctx.names[clip]
+        self.rate = self.probe_rate()
+        self.tracker = (tracking.Tracker(float(self.rate), settings.patience, settings.smoothing)
+                        if "pose" in ctx.tasks else None)
+        self.overlays = OverlayVideos(ctx.out / self.name, self.rate, list(settings.picture_suffixes))
+        self.index: dict = {}  # frame item -> frame index
+        self.written = self.skipped = self.sent = 0  # frames written, skipped as done, sent to the pipeline
+
+    def probe_rate(self) -> Fraction:
+        av = require_av()
+        with av.open(str(self.clip.path)) as container:
+            return stream_rate(container.streams.video[0])
+
+    def frame(self, index: int):
+        """A frame as an input item: `clip.mp4#12` (the --boxes key), written to OUT/clip/000012.*"""
+        item = dataclasses.replace(self.clip, path=Path(f"{self.clip.path}#{index}"),
+                                   relative=f"{self.clip.relative}#{index}")
+        self.ctx.names[item] = frame_name(self.name, index)
+        self.index[item] = index
+        return item
+
+    def run(self) -> dict:
+        """Returns the video's summary for run.json; "error" when the file is damaged partway (the frames
+        before the damage are written, overlays and tracks included)."""
+        av = require_av()
+        expected = expected_frames(self.clip.path, self.settings.selection)  # what the progress bar counted
+        pending, completed, damaged = [], False, None
+        try:
+            try:
+                for index, image in decode(self.clip.path, self.settings.selection):
+                    item = self.frame(index)
+                    if self.settings.skip_existing and self.pipeline.all_written(self.ctx, item):
+                        self.flush(pending)
+                        self.resume(item)
+                        self.forget([item])
+                        continue
+                    pending.append((item, image))
+                    if len(pending) == self.ctx.batch_size:
+                        self.flush(pending)
+            except av.FFmpegError as error:
+                damaged = error
+            self.flush(pending)
+            completed = True
+        finally:
+            self.progress.total += self.sent - expected
+            overlays = self.overlays.close(keep=completed)
+            if completed and self.tracker is not None:
+                self.pipeline.save_artefact(self.ctx.out / f"{self.name}.tracks.json", self.tracks_json())
+        if completed and damaged is None and self.sent + self.skipped < expected:  # FFmpeg ends truncated files quietly
+            self.progress.note(f"warning: {self.clip.path}: {self.sent + self.skipped} of the {expected} selected "
+                               f"frames its header announces were decoded (a truncated file?)")
+        summary = {"frames_written": self.written, "frames_skipped_existing": self.skipped, "fps": float(self.rate),
+                   "frames_announced": expected, "overlays": overlays,
+                   "tracks": len(self.tracker.tracks) if self.tracker else None}
+        return summary if damaged is None else {**summary, "error": damaged}
+
+    def flush(self, pending: list):
+        if pending:
+            self.sent += len(pending)
+            self.pipeline.process(self.ctx, list(pending), self.progress, self.write)
+            self.forget([item for item, _ in pending])
+            pending.clear()
+
+    def forget(self, items: list):
+        """Frames done: their names go, so a long video's bookkeeping stays small."""
+        for item in items:
+            self.ctx.names.pop(item, None)
+            self.index.pop(item, None)
+
+    def write(self, ctx, item, image, result: dict) -> dict:
+        if self.tracker is not None and "pose" in result:
+            self.tracker.update(self.index[item], result["pose"]["people"])  # ids (and smoothing) before pose.json
+        written = self.pipeline.write_outputs(ctx, item, image, result)
+        self.overlays.add(written)
+        self.written += 1
+        return written
+
+    def resume(self, item):
+        """A frame an earlier run wrote: its people and pictures read back, so tracks, overlay videos and the
+        COCO results carry on as in one run."""
+        self.skipped += 1
+        stem = self.ctx.out / self.ctx.names[item]
+        pose = stem.with_name(stem.name + ".pose.json")
+        if self.tracker is not None and pose.exists():
+            self.tracker.restore(self.index[item], formats.people_from_pose_json(json.loads(pose.read_text())))
+        if self.ctx.coco is not None:
+            self.ctx.coco.add_from_pose_json(self.ctx.names[item], pose)
+        pictures = {}
+        for suffix in self.settings.picture_suffixes:
+            path = stem.with_name(stem.name + suffix)
+            if path.exists():
+                with Image.open(path) as picture:
+                    pictures[suffix] = picture.convert("RGB")
+        self.overlays.add(pictures)
+
+    def tracks_json(self) -> dict:
+        return {"video": self.clip.relative, "fps": float(self.rate), "frames_processed": self.tracker.step,
+                "patience": self.settings.patience,
+                "smoothing": dataclasses.asdict(self.settings.smoothing) if self.settings.smoothing else None,
+                "tracks": self.tracker.summary()}
