@@ -137,9 +137,10 @@ def expand_glob(spec: str, exclude: Path | None) -> list[InputImage]:
     does, forever in a symlink loop). A name that would climb out of the static part (`photos/*/../../img/a.jpg`)
     is replaced by the names below the matches' common folder, so outputs always stay under OUT."""
     base, pattern = glob_base(spec)
-    hidden_ok = any(part.startswith(".") and part not in (".", "..") for part in Path(pattern).parts)
+    hidden = lambda part: part.startswith(".") and part not in (".", "..")  # noqa: E731
+    hidden_ok = any(hidden(part) for part in Path(pattern).parts)  # asked for: `photos/.cache/*.jpg`
     paths = [p for p in sorted(base.glob(pattern)) if wanted(p, exclude)
-             and (hidden_ok or not any(part.startswith(".") for part in p.relative_to(base).parts))]
+             and (hidden_ok or not any(hidden(part) for part in p.relative_to(base).parts))]
     names = [posixpath.normpath(p.relative_to(base).as_posix()) for p in paths]
     if any(climbs_out(name) for name in names):
         return relative_to_common(paths)
@@ -197,8 +198,8 @@ def output_names(items: list[InputImage]) -> dict[InputImage, str]:
     for group in clashes(names).values():
         taken = {name.casefold() for name in names.values()}
         for item in sorted(group, key=lambda item: item.relative)[1:]:
-            number = next(n for n in range(2, len(items) + 2) if f"{item.relative}~{n}".casefold() not in taken)
-            names[item] = f"{item.relative}~{number}"
+            candidates = [item.relative] + [f"{item.relative}~{n}" for n in range(2, len(items) + 2)]
+            names[item] = next(name for name in candidates if name.casefold() not in taken)
             taken.add(names[item].casefold())
     escaping = [name for name in names.values() if climbs_out(name)]
     if escaping:  # collect_inputs never makes such names: a last guard that nothing is written outside OUT
@@ -434,6 +435,8 @@ def load_one(task: str, source: str, args, device, dtype) -> LoadedModel:
         model = weights.load(source, dtype=dtype, device=device, task=None if task == "features" else task,
                              rope_dtype=args.rope)
         return LoadedModel(model, source)
+    except weights.CheckpointError as error:  # present but unusable: never a random fallback
+        raise UsageError(f"--model {task}={source}: cannot use it: {one_line(str(error))}") from None
     except FileNotFoundError as error:
         if args.random_init != "fallback" or not looks_like_preset_or_hub_id(source):
             raise UsageError(str(error)) from None
@@ -600,6 +603,7 @@ def fit_boxes(boxes: list[list[float]], width: int, height: int) -> list[list[fl
     side, which gives NaN keypoints); None for a box that lies wholly outside the image."""
     fitted = []
     for x, y, w, h in boxes:
+        w, h = max(w, 1.0), max(h, 1.0)
         if x >= width or y >= height or x + w <= 0 or y + h <= 0:
             fitted.append(None)
             continue
@@ -777,7 +781,7 @@ def finite_or_null(value):
 
 def check_writable(folder: Path):
     """Write and remove a probe file through the same writer as the outputs; raises the OSError if it fails."""
-    probe = folder / ".sapiens2-write-test"
+    probe = folder / "sapiens2-write-test"  # its temporary is hidden, like every output's
     atomic_write(probe, b"probe")
     probe.unlink(missing_ok=True)
 

@@ -594,8 +594,9 @@ def _smooth_before_upsampling(pointmaps, inputs, target_sizes):
     for pointmap, (top, left, bottom, right), size in zip(pointmaps, content, sizes):
         crop = pointmap[None, :, top:bottom, left:right]
         if size[0] > crop.shape[-2] or size[1] > crop.shape[-1]:
+            padding = "reflect" if min(crop.shape[-2:]) > 1 else "replicate"  # a 1-pixel side has nothing to reflect
             for _ in range(4):
-                crop = gaussian_blur(crop, 3, 0.8, padding="reflect")
+                crop = gaussian_blur(crop, 3, 0.8, padding=padding)
         full = pointmap[None].clone()
         full[:, :, top:bottom, left:right] = crop
         out.append(full)
