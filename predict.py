@@ -825,16 +825,18 @@ def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: d
                                  RuntimeError(f"--mask-with-seg: the segmentation failed ({failed.error})")))
                 break
         else:
+            written = []  # a task's files are all or nothing: a failure removes the ones it wrote
             try:
                 makers = render(task, item, image, result, ctx.models[task])
                 for suffix, kinds in ARTEFACTS[task].items():
                     if kinds & ctx.kinds:
-                        atomic_write(ctx.out / (ctx.names[item] + suffix), makers[suffix]())
-            except OSError as error:
-                if error.errno in REPEATING_WRITE_ERRORS:
-                    raise
-                failures.append((task, error))
+                        written.append(ctx.out / (ctx.names[item] + suffix))
+                        atomic_write(written[-1], makers[suffix]())
             except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
+                for path in written[:-1]:
+                    path.unlink(missing_ok=True)
+                if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
+                    raise
                 failures.append((task, error))
     return failures
 
@@ -871,6 +873,8 @@ def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress
             return
         return fail(ctx, pairs[0][0], [(None, error)], progress)
     for (item, image), result in zip(pairs, results):
+        if skip_blocked(ctx, item, progress):  # its folder failed for an earlier image of this batch
+            continue
         try:
             failures = write_outputs(ctx, item, image, result)
         except OSError as error:
@@ -904,8 +908,7 @@ def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:
     folder = (ctx.out / ctx.names[item]).parent
     reason = next((why for blocked, why in ctx.blocked.items() if folder.is_relative_to(blocked)), None)
     if reason is not None:
-        fail(ctx, item, [(None, PermissionError(f"not computed: its output folder is not writable ({reason})"))],
-             progress)
+        fail(ctx, item, [(None, PermissionError(f"skipped: its output folder is not writable ({reason})"))], progress)
     return reason is not None
 
 

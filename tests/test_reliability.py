@@ -310,7 +310,7 @@ def test_unwritable_subfolder_fails_its_images_only(checkpoints, tmp_path, monke
     assert manifest["counts"] == {"images": 5, "written": 2, "failed": 3, "skipped_existing": 0, "not_attempted": 0}
     errors = {Path(e["image"]).name: e["error"] for e in manifest["errors"]}
     assert set(errors) == {"b.jpg", "c.jpg", "d.jpg"} and "Permission denied (EACCES)" in errors["b.jpg"]
-    assert "not computed: its output folder is not writable" in errors["c.jpg"]
+    assert "skipped: its output folder is not writable" in errors["c.jpg"]
     assert "b.jpg" in [i.path.name for i in computed] and "d.jpg" not in [i.path.name for i in computed]
     assert outputs_of(out, "a") == {"a.seg.png", "a.seg_overlay.jpg"} and len(outputs_of(out, "z")) == 2
     assert no_partials(tmp_path)
@@ -520,3 +520,52 @@ def test_the_scan_would_catch_them():
            "subprocess.run(cmd, shell" + "=True)", "np.load(f, allow_pickle" + "=True)"]
     assert all(any(re.search(p, line) for p in FORBIDDEN.values()) for line in bad)
     assert not any(re.search(p, "model.eval()") for p in FORBIDDEN.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole story: 200 images, a corrupt file, an unwritable subfolder, the disk filling up mid-run
+# ----------------------------------------------------------------------------------------------------
+def test_200_images_with_faults_then_resume(checkpoints, tmp_path, monkeypatch, capsys):
+    sizes = {f"a/{i:03d}.jpg": (12 + i % 5, 10 + i % 3) for i in range(100)}
+    sizes.update({f"m_ro/{i:03d}.jpg": (12, 10) for i in range(10)})
+    sizes.update({f"z/{i:03d}.jpg": (10 + i % 4, 12) for i in range(89)})
+    folder = write_images(tmp_path / "in", sizes)
+    (folder / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    out, seg = tmp_path / "out", model_args(checkpoints, ["seg"])
+    args = ["seg", str(folder), "-o", str(out), "--batch-size", "4", *seg]
+    written = []
+
+    def faults(file):
+        if (out / "m_ro") in file.parents:
+            return errno.EACCES  # a read-only subfolder target
+        if file.parent == out and file.name.startswith((".run.", ".sapiens2-write-test")):
+            return None  # the manifest and the probe are small enough to fit
+        if len(written) >= 260:
+            return errno.ENOSPC  # the disk is full after 130 images' two files
+        written.append(file)
+        return None
+
+    faulty_writer(monkeypatch, faults)
+    assert predict.main(args) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "stopped" and "No space left on device (ENOSPC)" in manifest["stop_reason"]
+    assert manifest["counts"] == {"images": 200, "written": 130, "failed": 12, "skipped_existing": 0,
+                                  "not_attempted": 58}
+    errors = {str(Path(e["image"]).relative_to(folder)): e["error"] for e in manifest["errors"]}
+    assert "truncated or corrupt image" in errors.pop("corrupt.jpg") and "ENOSPC" in errors.pop("z/030.jpg")
+    assert sorted(errors) == [f"m_ro/{i:03d}.jpg" for i in range(10)]
+    assert all("Permission denied (EACCES)" in why for why in errors.values())
+    assert sum("skipped: its output folder is not writable" in why for why in errors.values()) == 9
+    assert manifest["not_attempted"] == [str(folder / f"z/{i:03d}.jpg") for i in range(31, 89)]
+    done = {f"a/{i:03d}" for i in range(100)} | {f"z/{i:03d}" for i in range(30)}
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != "run.json"}
+    assert on_disk == {name + suffix for name in done for suffix in (".seg.png", ".seg_overlay.jpg")}
+    for name in ("a/000", "a/099", "z/029"):  # complete and right: the seg map has the image's size
+        assert Image.open(out / f"{name}.seg.png").size[::-1] == sizes[name + ".jpg"]
+
+    monkeypatch.undo()  # space freed, permissions fixed: the same command with --skip-existing finishes
+    assert predict.main([*args, "--skip-existing"]) == 1  # the corrupt file still fails
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "finished" and manifest["counts"] == {
+        "images": 200, "written": 69, "failed": 1, "skipped_existing": 130, "not_attempted": 0}
+    assert len(list(out.rglob("*.seg.png"))) == 199 and no_partials(tmp_path)
