@@ -891,17 +891,16 @@ def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress
 def stop_or_block(ctx: Context, item: InputImage, error: OSError):
     """After a repeating write error: stop the run when OUT itself cannot take more (disk full, OUT read-only);
     otherwise only this image's output folder is unwritable: later images bound there fail without running."""
-    reason = os_error_text(error)
+    reason = f"{os_error_text(error)} (while writing the outputs of {item.path})"
     if error.errno in FOLDER_WRITE_ERRORS:
         try:
             check_writable(ctx.out)
-        except OSError:
-            pass
+        except OSError as out_error:  # OUT itself (read-only now, or full): that is what stops the run
+            reason = f"{os_error_text(out_error)} (OUT itself; after {reason})"
         else:
-            folder = (ctx.out / ctx.names[item]).parent
-            ctx.blocked[folder] = reason
+            ctx.blocked[(ctx.out / ctx.names[item]).parent] = os_error_text(error)
             return
-    raise StopRun(f"{reason} (while writing the outputs of {item.path})")
+    raise StopRun(reason)
 
 
 def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:
@@ -1004,8 +1003,36 @@ def manifest_path(out: Path, rank: int, world: int) -> Path:
     return out / ("run.json" if world == 1 else f"run.rank{rank}-of-{world}.json")
 
 
-def write_manifest(path: Path, manifest: dict):
-    atomic_write(path, json_text(manifest, indent=2))
+def write_manifest(path: Path, manifest: dict, reserve: int = 0):
+    """Atomically. `reserve`: pad the file with trailing blanks (valid JSON) to that many bytes, so the final
+    manifest can still be written over it when the disk is full (finish_manifest_on_full_disk)."""
+    text = json_text(manifest, indent=2)
+    atomic_write(path, text + " " * (reserve - len(text) - 1) + "\n" if reserve > len(text) + 1 else text)
+
+
+def manifest_reserve(images: int) -> int:
+    """Bytes to set aside for the final manifest: its errors and not-attempted lists grow with the images."""
+    return min(64 * 1024 + 512 * images, 16 * 2**20)
+
+
+def write_final_manifest(path: Path, manifest: dict):
+    """The final manifest; on a full disk, written over the space the first one reserved (in place, not atomic),
+    shortened (lists cut, `"truncated": true`) if it does not fit."""
+    try:
+        return write_manifest(path, manifest)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not path.is_file():
+            raise
+        room = path.stat().st_size
+    text = json_text(manifest, indent=2)
+    for keep in (100, 10, 0):
+        if len(text.encode()) <= room:
+            break
+        text = json_text({**manifest, "truncated": True, "errors": manifest["errors"][:keep],
+                          "not_attempted": manifest["not_attempted"][:keep]}, indent=2)
+    with open(path, "r+b") as f:  # the blocks are already allocated: overwriting them needs no space
+        f.write(text.encode())
+        f.truncate()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1171,7 +1198,7 @@ def run(args, argv: list[str]) -> int:
     manifest["timings_s"] = {"load_models": round(time.perf_counter() - start, 3)}
     path = manifest_path(out, rank, world)
     try:
-        write_manifest(path, manifest)
+        write_manifest(path, manifest, reserve=manifest_reserve(len(todo)))
     except OSError as error:
         raise UsageError(f"cannot write the manifest {path} ({os_error_text(error)})") from None
     prefix = f"[rank {rank}/{world}] " if world > 1 else ""
@@ -1187,7 +1214,7 @@ def run(args, argv: list[str]) -> int:
         finish_manifest(manifest, ctx, todo, skipped=len(mine) - len(todo), elapsed=time.perf_counter() - start,
                         rate=progress.rate(), stopped=stopped)
         try:
-            write_manifest(path, manifest)
+            write_final_manifest(path, manifest)
         except OSError as error:
             print(f"error: cannot write the manifest {path} ({os_error_text(error)})", file=sys.stderr)
     counts = manifest["counts"]

@@ -268,17 +268,17 @@ def test_disk_full_stops_cleanly_and_skip_existing_resumes(checkpoints, tmp_path
     writes = []
 
     def disk_full_after_five_outputs(file):
-        if file.name.startswith(".run.") or file.name.startswith(".sapiens2-write-test"):
-            return None  # the probe and the manifest still fit (small); the images do not
+        if file.name.startswith(".sapiens2-write-test"):
+            return None  # the probe before the run
         writes.append(file)
-        return errno.ENOSPC if len(writes) > 5 else None
+        return errno.ENOSPC if len(writes) > 6 else None  # the first manifest and five outputs fit
 
     faulty_writer(monkeypatch, disk_full_after_five_outputs)
     assert predict.main(["seg", str(folder), "-o", str(out), *seg]) == 1
     err = capsys.readouterr().err
     assert "error: stopped: No space left on device (ENOSPC)" in err and "--skip-existing" in err
     assert err.count("No space left on device") == 2  # the image's error line and the stop line: not one per image
-    manifest = strict_json(out / "run.json")
+    manifest = strict_json(out / "run.json")  # written over the space the first manifest set aside
     assert manifest["status"] == "stopped" and "ENOSPC" in manifest["stop_reason"]
     assert manifest["counts"] == {"images": 6, "written": 2, "failed": 1, "skipped_existing": 0, "not_attempted": 3}
     assert [Path(e["image"]).name for e in manifest["errors"]] == ["im2.jpg"]
