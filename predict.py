@@ -8,8 +8,8 @@
 
 Tasks: seg, pose, normal, pointmap, matting, albedo, features. Outputs are mirrored under OUT by input path
 (`photos/a/b.jpg` -> `out/a/b.seg.png`, ...; see ARTEFACTS), plus a `run.json` manifest. A bad image is
-reported and skipped; the run goes on. Exit status: 0 all good, 1 some images failed (single process only),
-2 nothing could run.
+reported and skipped; the run goes on. Exit status: 0 all good, 1 some images failed (single process only)
+or the run stopped (disk full, OUT read-only), 2 nothing could run (bad arguments, inputs, OUT or checkpoints).
 
 Pose is top-down: person boxes come from `--boxes`, else from the segmentation's foreground (connected
 blobs, small ones dropped), else the whole image. The flip test is on by default, as in the original demo.
@@ -1241,7 +1241,8 @@ def unmatched_boxes_warnings(path: str | None, boxes: dict | None, items: list[I
     if not unmatched:
         return []
     return [f"--boxes {path}: {len(unmatched)} entries match no input image ({', '.join(map(repr, unmatched[:3]))}"
-            f"{', ...' if len(unmatched) > 3 else ''}); keys are the path relative to the input folder or the file name"]
+            f"{', ...' if len(unmatched) > 3 else ''}); keys are the path relative to the input folder or the "
+            f"file name"]
 
 
 def renamed_notes(names: dict[InputImage, str]) -> list[str]:

@@ -835,10 +835,11 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
             state = {f"backbone.{k}": v for k, v in state.items()}
             predictor = f"decode_head.conv_{model.head_config.task}."
             head = {k.replace("decode_head.predictor.", predictor): v for k, v in head.items()}
-    metadata = {"format": "pt", "sapiens2_config": json.dumps(config.to_dict()), "sapiens2_format": format}
+    metadata = {"format": "pt", "sapiens2_config": json.dumps(config.to_dict(), allow_nan=False),
+                "sapiens2_format": format}
     hf_config = config_to_hf(config)
     if is_task:
-        metadata["sapiens2_head_config"] = json.dumps(model.head_config.to_dict())
+        metadata["sapiens2_head_config"] = json.dumps(model.head_config.to_dict(), allow_nan=False)
         if model.head_config.task in HF_TASK_CLASS_OF:
             hf_config.update(head_config_to_hf(model.head_config))
         else:
@@ -850,5 +851,5 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
     else:
         path.mkdir(parents=True, exist_ok=True)
         save_file({**state, **head}, str(path / "model.safetensors"), metadata=metadata)
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2, allow_nan=False))
     return path

@@ -319,7 +319,8 @@ def test_unwritable_subfolder_fails_its_images_only(checkpoints, tmp_path, monke
 def test_out_turning_read_only_mid_run_stops(checkpoints, tmp_path, monkeypatch, capsys):
     folder = write_images(tmp_path / "in", {f"im{i}.jpg": (20, 16) for i in range(4)})
     out = tmp_path / "out"
-    faulty_writer(monkeypatch, lambda file: errno.EROFS if file.name.startswith((".im1", ".im2", ".im3", ".sapiens2-write-test"))
+    read_only_after_im0 = (".im1", ".im2", ".im3", ".sapiens2-write-test")
+    faulty_writer(monkeypatch, lambda file: errno.EROFS if file.name.startswith(read_only_after_im0)
                   and (out / "im0.seg_overlay.jpg").exists() else None)
     assert predict.main(["seg", str(folder), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 1
     manifest = strict_json(out / "run.json")
@@ -472,7 +473,8 @@ def test_bad_options_exit_2_before_loading(option, value, phrase, image, capsys,
     ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1': expected a whole number from 0 to 1 (WORLD_SIZE - 1)"),
     ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0': expected a whole number from 1 to 65536"),
     ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': expected a whole number from 1 to 65536"),
-    ({"LOCAL_RANK": "x", "WORLD_SIZE": "4", "RANK": "0"}, "LOCAL_RANK='x': expected a whole number from 0 to 3 (WORLD_SIZE - 1)"),
+    ({"LOCAL_RANK": "x", "WORLD_SIZE": "4", "RANK": "0"},
+     "LOCAL_RANK='x': expected a whole number from 0 to 3 (WORLD_SIZE - 1)"),
 ])
 def test_bad_launcher_environment_exits_2_before_loading(env, phrase, image, tmp_path, monkeypatch, capsys,
                                                           no_model_loads):
