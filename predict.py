@@ -29,6 +29,7 @@ import re
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
@@ -137,6 +138,8 @@ def expand_glob(spec: str, exclude: Path | None) -> list[InputImage]:
     does, forever in a symlink loop). A name that would climb out of the static part (`photos/*/../../img/a.jpg`)
     is replaced by the names below the matches' common folder, so outputs always stay under OUT."""
     base, pattern = glob_base(spec)
+    if Path(pattern).name == "**":  # pathlib's trailing `**` gives folders only; glob's gave everything below
+        pattern = str(Path(pattern) / "*")
     hidden = lambda part: part.startswith(".") and part not in (".", "..")  # noqa: E731
     hidden_ok = any(hidden(part) for part in Path(pattern).parts)  # asked for: `photos/.cache/*.jpg`
     paths = [p for p in sorted(base.glob(pattern)) if wanted(p, exclude)
@@ -156,8 +159,9 @@ def climbs_out(name: str) -> bool:
 def wanted(path: Path, exclude: Path | None) -> bool:
     """An image file by its name, and not one of our pictures in the output folder `exclude` (with -o inside
     the input folder, a second run would otherwise take the first one's overlays for photos)."""
-    ours = path.name.endswith(OUTPUT_SUFFIXES) and exclude is not None and path.resolve().is_relative_to(exclude)
-    return path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES and not ours
+    if not path.is_file() or path.suffix.lower() not in IMAGE_SUFFIXES:  # is_file: False for a symlink loop
+        return False
+    return not (path.name.endswith(OUTPUT_SUFFIXES) and exclude is not None and path.resolve().is_relative_to(exclude))
 
 
 def glob_base(pattern: str) -> tuple[Path, str]:
@@ -485,7 +489,7 @@ class Context:
     warnings: list[str] = field(default_factory=list)
     outcomes: dict[InputImage, str] = field(default_factory=dict)  # "written" or "failed"
     blocked: dict[Path, str] = field(default_factory=dict)  # output folders found unwritable -> why
-    note: object = None  # where warnings go (the progress bar's note), default stderr
+    note: Callable[[str], None] | None = None  # where warnings go (the progress bar's note); default stderr
 
     @property
     def done(self) -> int:
@@ -732,7 +736,8 @@ def atomic_write(path: Path, value):
     output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
     two processes writing the same OUT never share one; a failed write removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    # the name shortened so that the temporary's name fits where the output's does (255 bytes)
+    temp = path.with_name(f".{path.name[:150]}.{os.getpid()}.{secrets.token_hex(4)}.partial")
     try:
         with open(temp, "xb"):  # exclusive: fails rather than share a name
             pass

@@ -208,9 +208,12 @@ def test_symlink_loops_are_not_followed(tmp_path, monkeypatch):
     write_images(tmp_path / "photos", {"a.jpg": (8, 8), "sub/b.jpg": (8, 8)})
     (tmp_path / "photos" / "sub" / "loop").symlink_to("..", target_is_directory=True)
     (tmp_path / "photos" / "self").symlink_to(".", target_is_directory=True)
+    (tmp_path / "photos" / "me.jpg").symlink_to("me.jpg")  # a file link to itself
+    (tmp_path / "photos" / "x.seg.png").symlink_to("x.seg.png")
     monkeypatch.chdir(tmp_path)
-    names = lambda spec: [i.relative for i in predict.collect_inputs([spec])]  # noqa: E731
+    names = lambda spec: [i.relative for i in predict.collect_inputs([spec], tmp_path / "photos")]  # noqa: E731
     assert run_with_deadline(lambda: names("photos/**/*.jpg")) == ["a.jpg", "sub/b.jpg"]
+    assert run_with_deadline(lambda: names("photos/**")) == ["a.jpg", "sub/b.jpg"]
     assert run_with_deadline(lambda: names("photos")) == ["a.jpg", "sub/b.jpg"]
 
 
