@@ -744,7 +744,10 @@ def atomic_write(path: Path, value):
         write_value(temp, value, path.suffix)
         os.replace(temp, path)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError:  # a read-only file system refuses even that; the original error is what matters
+            pass
         raise
 
 
@@ -793,9 +796,9 @@ def check_writable(folder: Path):
 
 def prepare_output_folder(out: Path):
     """Fail fast, before any model loads, on an OUT that is a file, under a file, read-only or not ours to write."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"-o {out}: is a file, not a folder")
     try:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"-o {out}: is a file, not a folder")
         out.mkdir(parents=True, exist_ok=True)
         check_writable(out)
     except OSError as error:
@@ -894,18 +897,28 @@ def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress
 
 
 def stop_or_block(ctx: Context, item: InputImage, error: OSError):
-    """After a repeating write error: stop the run when OUT itself cannot take more (disk full, OUT read-only);
-    otherwise only this image's output folder is unwritable: later images bound there fail without running."""
+    """After a repeating write error: stop the run when OUT itself cannot take more (disk full, OUT read-only).
+    A permission error may be narrower: the image's output folder alone (later images bound there then fail
+    without running), or one file alone (an immutable old output: only this image fails)."""
     reason = f"{os_error_text(error)} (while writing the outputs of {item.path})"
     if error.errno in FOLDER_WRITE_ERRORS:
-        try:
-            check_writable(ctx.out)
-        except OSError as out_error:  # OUT itself (read-only now, or full): that is what stops the run
-            reason = f"{os_error_text(out_error)} (OUT itself; after {reason})"
-        else:
-            ctx.blocked[(ctx.out / ctx.names[item]).parent] = os_error_text(error)
+        folder = (ctx.out / ctx.names[item]).parent
+        if probe_error(folder) is None:
             return
+        out_error = probe_error(ctx.out)
+        if out_error is None:
+            ctx.blocked[folder] = os_error_text(error)
+            return
+        reason = f"{os_error_text(out_error)} (OUT itself; after {reason})"
     raise StopRun(reason)
+
+
+def probe_error(folder: Path) -> OSError | None:
+    try:
+        check_writable(folder)
+    except OSError as error:
+        return error
+    return None
 
 
 def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:
@@ -1010,7 +1023,7 @@ def manifest_path(out: Path, rank: int, world: int) -> Path:
 
 def write_manifest(path: Path, manifest: dict, reserve: int = 0):
     """Atomically. `reserve`: pad the file with trailing blanks (valid JSON) to that many bytes, so the final
-    manifest can still be written over it when the disk is full (finish_manifest_on_full_disk)."""
+    manifest can still be written over it when the disk is full (write_final_manifest)."""
     text = json_text(manifest, indent=2)
     atomic_write(path, text + " " * (reserve - len(text) - 1) + "\n" if reserve > len(text) + 1 else text)
 

@@ -574,3 +574,14 @@ def test_200_images_with_faults_then_resume(checkpoints, tmp_path, monkeypatch, 
     assert manifest["status"] == "finished" and manifest["counts"] == {
         "images": 200, "written": 69, "failed": 1, "skipped_existing": 130, "not_attempted": 0}
     assert len(list(out.rglob("*.seg.png"))) == 199 and no_partials(tmp_path)
+
+
+def test_a_file_that_cannot_be_replaced_fails_its_image_only(checkpoints, tmp_path, monkeypatch):
+    """EPERM on one file (say an immutable old output) while its folder takes new files: only that image fails."""
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (20, 16), "c.jpg": (20, 16)})
+    out = tmp_path / "out"
+    faulty_writer(monkeypatch, lambda file: errno.EPERM if file.name.startswith(".b.seg.png") else None)
+    assert predict.main(["seg", str(folder), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "finished" and [Path(e["image"]).name for e in manifest["errors"]] == ["b.jpg"]
+    assert len(outputs_of(out, "a")) == 2 and len(outputs_of(out, "c")) == 2 and not outputs_of(out, "b")
