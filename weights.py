@@ -692,7 +692,8 @@ def _names_the_source(load_function):
         except (FileNotFoundError, CheckpointError, MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001 (key errors, bad shapes, bad config fields...: all name the file)
-            raise CheckpointError(str(e) if str(source) in str(e) else f"{source}: {e}") from e
+            detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"  # KeyError: 'x' says little
+            raise CheckpointError(detail if str(source) in detail else f"{source}: {detail}") from e
         _refuse_non_finite(model, source)
         return model
 
