@@ -9,8 +9,8 @@
 
 Tasks: seg, pose, normal, pointmap, matting, albedo, features. Outputs are mirrored under OUT by input path
 (`photos/a/b.jpg` -> `out/a/b.seg.png`, ...; see ARTEFACTS), plus a `run.json` manifest. A bad image is
-reported and skipped; the run goes on. Exit status: 0 all good, 1 some images failed (single process only),
-2 nothing could run.
+reported and skipped; the run goes on. Exit status: 0 all good, 1 some images failed (single process only)
+or the run stopped (disk full, OUT read-only), 2 nothing could run (bad arguments, inputs, OUT or checkpoints).
 
 Pose is top-down: person boxes come from `--boxes`, else from a person detector (detect.py, D-FINE; or
 `--detector seg`: the segmentation's foreground blobs), else the whole image. The flip test is on by default,
@@ -20,13 +20,18 @@ as in the original demo.
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
+import math
 import os
 import platform
+import posixpath
 import re
+import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
@@ -70,6 +75,9 @@ MASKED_TASKS = ("normal", "pointmap", "albedo")  # what --mask-with-seg masks
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm"}
 LIST_SUFFIXES = {".txt", ".lst", ".list"}
 DEFAULT_SIZE = "0.4b"
+SIZE_RANGE = (32, 4096)  # --size sides, pixels: a 2x2 patch grid at least (the heads' norms need >1 cell); 4K at most
+MAX_BATCH_SIZE = 1024
+MAX_WORLD_SIZE = 65536
 RELEASED_SIZE = {"matting": "1b"}  # the only matting checkpoint is 1b
 MIN_BLOB_FRACTION = 0.1  # person blobs smaller than this fraction of the largest one are dropped
 MIN_BLOB_AREA = 0.002  # ... and blobs under this fraction of the image
@@ -94,8 +102,9 @@ class InputImage:
 
 
 def collect_inputs(specs: list[str], exclude: Path | None = None) -> list[InputImage]:
-    """All images of the inputs, deduplicated, sorted by relative path (the order sharding splits)."""
-    files = [s for s in specs if not glob.has_magic(s) and Path(s).is_file() and not is_list_file(s)]
+    """All images of the inputs, deduplicated, sorted by relative path (the order sharding splits).
+    An existing path is taken literally, even with glob characters in its name (`shot [1].jpg`)."""
+    files = [s for s in specs if Path(s).is_file() and not is_list_file(s)]
     items = relative_to_common([Path(f) for f in files])
     for spec in specs:
         if spec in files:
@@ -120,12 +129,8 @@ def is_list_file(spec: str) -> bool:
 
 
 def expand_input(spec: str, exclude: Path | None = None) -> list[InputImage]:
-    if glob.has_magic(spec):
-        base = glob_base(spec)
-        paths = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
-        return [InputImage(p, p.relative_to(base).as_posix()) for p in paths if wanted(p, exclude)]
     path = Path(spec)
-    if path.is_dir():
+    if path.is_dir():  # rglob does not follow symlinked folders: a symlink loop cannot trap it
         paths = [p for p in sorted(path.rglob("*")) if wanted(p, exclude)
                  and not any(part.startswith(".") for part in p.relative_to(path).parts)]
         return [InputImage(p, p.relative_to(path).as_posix()) for p in paths]
@@ -133,21 +138,47 @@ def expand_input(spec: str, exclude: Path | None = None) -> list[InputImage]:
         return read_list_file(path, exclude)
     if path.is_file():
         return relative_to_common([path])
+    if glob.has_magic(spec):
+        return expand_glob(spec, exclude)
     raise UsageError(f"{spec}: no such file or folder")
+
+
+def expand_glob(spec: str, exclude: Path | None) -> list[InputImage]:
+    """A glob's images, named below its static part. pathlib's `**` does not follow symlinked folders (glob.glob's
+    does, forever in a symlink loop). A name that would climb out of the static part (`photos/*/../../img/a.jpg`)
+    is replaced by the names below the matches' common folder, so outputs always stay under OUT."""
+    base, pattern = glob_base(spec)
+    if Path(pattern).name == "**":  # pathlib's trailing `**` gives folders only; glob's gave everything below
+        pattern = str(Path(pattern) / "*")
+    hidden = lambda part: part.startswith(".") and part not in (".", "..")  # noqa: E731
+    hidden_ok = any(hidden(part) for part in Path(pattern).parts)  # asked for: `photos/.cache/*.jpg`
+    paths = [p for p in sorted(base.glob(pattern)) if wanted(p, exclude)
+             and (hidden_ok or not any(hidden(part) for part in p.relative_to(base).parts))]
+    names = [posixpath.normpath(p.relative_to(base).as_posix()) for p in paths]
+    if any(climbs_out(name) for name in names):
+        return relative_to_common(paths)
+    return [InputImage(p, name) for p, name in zip(paths, names)]
+
+
+def climbs_out(name: str) -> bool:
+    """Would OUT/name land outside OUT?"""
+    name = posixpath.normpath(name)
+    return posixpath.isabs(name) or name == ".." or name.startswith("../")
 
 
 def wanted(path: Path, exclude: Path | None) -> bool:
     """An image file by its name, and not one of our pictures in the output folder `exclude` (with -o inside
     the input folder, a second run would otherwise take the first one's overlays for photos)."""
-    ours = path.name.endswith(OUTPUT_SUFFIXES) and exclude is not None and path.resolve().is_relative_to(exclude)
-    return path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES or video.is_video(path)) and not ours
+    if not path.is_file() or not (path.suffix.lower() in IMAGE_SUFFIXES or video.is_video(path)):  # is_file: False for a symlink loop
+        return False
+    return not (path.name.endswith(OUTPUT_SUFFIXES) and exclude is not None and path.resolve().is_relative_to(exclude))
 
 
-def glob_base(pattern: str) -> Path:
-    """The folder part of a glob before its first wildcard: outputs mirror the paths below it."""
+def glob_base(pattern: str) -> tuple[Path, str]:
+    """(the folder part of a glob before its first wildcard, the rest): outputs mirror the paths below it."""
     parts = Path(pattern).parts
-    static = parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]
-    return Path(*static) if static else Path(".")
+    first = next(i for i, p in enumerate(parts) if glob.has_magic(p))
+    return Path(*parts[:first]) if first else Path("."), str(Path(*parts[first:]))
 
 
 def read_list_file(path: Path, exclude: Path | None) -> list[InputImage]:
@@ -172,12 +203,30 @@ def relative_to_common(paths: list[Path]) -> list[InputImage]:
 
 
 def output_names(items: list[InputImage]) -> dict[InputImage, str]:
-    """Output name of each image: its relative path without the suffix, or with it where two would clash
-    (`x.jpg` and `x.png` in one folder -> `x.jpg.*` and `x.png.*`)."""
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item.stem] = counts.get(item.stem, 0) + 1
-    return {item: item.stem if counts[item.stem] == 1 else item.relative for item in items}
+    """Output name of each image, distinct for every input (compared case-blind, for macOS and Windows
+    disks): its relative path without the suffix; where two clash, with it (`x.jpg`, `x.png` -> `x.jpg.*`,
+    `x.png.*`); where that still clashes (`x.jpg.png` -> `x.jpg`), the relative path + `~2`, `~3`, ..."""
+    names = {item: item.stem for item in items}
+    clashing = set().union(*clashes(names).values())
+    names.update({item: item.relative for item in clashing})
+    for group in clashes(names).values():
+        taken = {name.casefold() for name in names.values()}
+        for item in sorted(group, key=lambda item: item.relative)[1:]:
+            candidates = [item.relative] + [f"{item.relative}~{n}" for n in range(2, len(items) + 2)]
+            names[item] = next(name for name in candidates if name.casefold() not in taken)
+            taken.add(names[item].casefold())
+    escaping = [name for name in names.values() if climbs_out(name)]
+    if escaping:  # collect_inputs never makes such names: a last guard that nothing is written outside OUT
+        raise UsageError(f"output name {escaping[0]!r} would be outside the output folder")
+    return names
+
+
+def clashes(names: dict[InputImage, str]) -> dict[str, list[InputImage]]:
+    """Groups of inputs whose output names are equal, ignoring case."""
+    groups: dict[str, list[InputImage]] = {}
+    for item, name in names.items():
+        groups.setdefault(name.casefold(), []).append(item)
+    return {key: group for key, group in groups.items() if len(group) > 1}
 
 
 def shard(items: list, rank: int, world_size: int) -> list:
@@ -186,26 +235,48 @@ def shard(items: list, rank: int, world_size: int) -> list:
 
 
 def rank_and_world() -> tuple[int, int]:
-    """From torchrun's (or any launcher's) RANK / WORLD_SIZE environment variables; 0, 1 when absent."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if not 0 <= rank < world:
-        raise UsageError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    """From torchrun's (or any launcher's) RANK / WORLD_SIZE environment variables; 0, 1 when absent.
+    LOCAL_RANK (the GPU of this process) is checked here too, so a bad launch fails before any model loads."""
+    world = env_int("WORLD_SIZE", 1, 1, MAX_WORLD_SIZE)
+    rank = env_int("RANK", 0, 0, world - 1)
+    env_int("LOCAL_RANK", 0, 0, world - 1)
     return rank, world
 
 
+def env_int(name: str, default: int, low: int, high: int) -> int:
+    """A whole number from the environment in [low, high], else a UsageError that gives the range."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not re.fullmatch(r"\d+", text) or not low <= int(text) <= high:
+        raise UsageError(f"environment variable {name}={os.environ[name]!r}: expected a whole number from "
+                         f"{low} to {high}" + (" (WORLD_SIZE - 1)" if name != "WORLD_SIZE" else ""))
+    return int(text)
+
+
 def read_boxes_file(path: str) -> dict[str, list[list[float]]]:
-    """--boxes: a JSON object, image file name -> list of COCO [x, y, w, h] boxes in image pixels."""
+    """--boxes: a JSON object, image file name -> list of COCO [x, y, w, h] boxes in image pixels. Every value
+    a finite number (NaN/Infinity are refused, not JSON anyway), width and height above 0. Boxes reaching
+    outside an image are clipped to it when the image is read; those wholly outside are dropped, with a warning."""
+    def refuse_constant(name):
+        raise ValueError(f"{name} is not a number JSON allows")
+
     try:
-        boxes = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
+        boxes = json.loads(Path(path).read_text(), parse_constant=refuse_constant)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise UsageError(f"--boxes {path}: cannot read it as JSON ({error})") from None
     if not isinstance(boxes, dict):
         raise UsageError(f"--boxes {path}: expected an object {{\"image.jpg\": [[x, y, w, h], ...]}}")
     for name, entry in boxes.items():
         ok = isinstance(entry, list) and all(
-            isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) for v in b) for b in entry)
+            isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        for v in b) for b in entry)
         if not ok:
             raise UsageError(f"--boxes {path}: {name!r} must map to a list of [x, y, w, h] boxes, got {entry!r}")
+        for box in entry:
+            if not all(math.isfinite(v) for v in box) or box[2] <= 0 or box[3] <= 0:
+                raise UsageError(f"--boxes {path}: {name!r} has the box {box}: x, y must be finite numbers and "
+                                 f"the width and height above 0 (COCO [x, y, w, h], image pixels)")
     return boxes
 
 
@@ -396,6 +467,8 @@ def load_one(task: str, source: str, args, device, dtype) -> LoadedModel:
         model = weights.load(source, dtype=dtype, device=device, task=None if task == "features" else task,
                              rope_dtype=args.rope)
         return LoadedModel(model, source)
+    except weights.CheckpointError as error:  # present but unusable: never a random fallback
+        raise UsageError(f"--model {task}={source}: cannot use it: {one_line(str(error))}") from None
     except FileNotFoundError as error:
         if args.random_init != "fallback" or not looks_like_preset_or_hub_id(source):
             raise UsageError(str(error)) from None
@@ -443,8 +516,19 @@ class Context:
     seg_boxes: bool = True  # pose boxes from the seg blobs when there is no detector (--detector seg)
     coco: formats.CocoResults | None = None  # --save coco: gathered image by image, written at the end
     timings: dict[str, float] = field(default_factory=dict)
-    errors: list[dict] = field(default_factory=list)
-    done: int = 0
+    errors: list[dict] = field(default_factory=list)  # {"image", "task" (absent: the whole image), "error"}
+    warnings: list[str] = field(default_factory=list)
+    outcomes: dict[InputImage, str] = field(default_factory=dict)  # "written" or "failed"
+    blocked: dict[Path, str] = field(default_factory=dict)  # output folders found unwritable -> why
+    note: Callable[[str], None] | None = None  # where warnings go (the progress bar's note); default stderr
+
+    @property
+    def done(self) -> int:
+        return sum(outcome == "written" for outcome in self.outcomes.values())
+
+    def warn(self, message: str):
+        self.warnings.append(message)
+        (self.note or (lambda text: print(text, file=sys.stderr)))(f"warning: {message}")
 
     def input_size(self, task: str) -> tuple[int, int]:
         return self.size or tuple(self.models[task].backbone.config.image_size)
@@ -516,6 +600,11 @@ def run_pose(ctx: Context, images, boxes: list[list]) -> list[list[dict]]:
     """Top-down: crop each person box, heatmaps (with the flip test), decode to image pixels."""
     if not any(boxes):
         return [[] for _ in images]
+    with_people = [i for i, image_boxes in enumerate(boxes) if image_boxes]
+    if len(with_people) < len(images):  # preprocess_crops wants boxes for every image it is given
+        people = run_pose(ctx, [images[i] for i in with_people], [boxes[i] for i in with_people])
+        found = dict(zip(with_people, people))
+        return [found.get(i, []) for i in range(len(images))]
     inputs = processing.preprocess_crops(images, boxes, ctx.input_size("pose"), device=ctx.device)
     flip_test = ctx.models["pose"].model.flip_test
     heatmaps = [ctx.forward("pose", chunk, flip_test) if ctx.flip else ctx.forward("pose", chunk).heatmaps
@@ -528,21 +617,28 @@ DENSE_RUNNERS = {"normal": run_normal, "pointmap": run_pointmap, "albedo": run_a
                  "features": run_features}
 
 
-def pose_boxes(item: InputImage, image, segmentation, given: dict | None,
+def pose_boxes(ctx: Context, item: InputImage, image, segmentation,
                detected: torch.Tensor | None = None) -> tuple[list, str, list | None]:
-    """(COCO xywh person boxes, where they came from, the detector's score of each): the --boxes entry, else
-    the detector's person boxes, else the segmentation's person blobs, else the whole image."""
-    entry = boxes_for(item, given) if given is not None else None
+    """(COCO xywh person boxes inside the image, where they came from, the detector's score of each): the
+    --boxes entry, else the detector's person boxes, else the segmentation's person blobs, else the whole image."""
+    height, width = image.shape[-2:]
+    entry = boxes_for(item, ctx.boxes) if ctx.boxes is not None else None
     if entry is not None:
-        return entry, "boxes-file", None
+        inside = fit_boxes(entry, width, height)
+        dropped = [box for box, fitted in zip(entry, inside) if fitted is None]
+        if dropped:
+            ctx.warn(f"{item.path}: --boxes {dropped} lie outside the {width}x{height} image; dropped")
+        return [box for box in inside if box is not None], "boxes-file", None
     if detected is not None:
         detected = detected[(detected[:, 2] > 0) & (detected[:, 3] > 0)]  # an empty box has nothing to crop
     if detected is not None and len(detected):
-        return detected[:, :4].tolist(), "detector", detected[:, 4].tolist()
+        fitted = fit_boxes(detected[:, :4].tolist(), width, height)
+        kept = [(box, score) for box, score in zip(fitted, detected[:, 4].tolist()) if box is not None]
+        if kept:
+            return [box for box, _ in kept], "detector", [score for _, score in kept]
     found = person_boxes(segmentation) if segmentation is not None else []
-    if found:
-        return found, "segmentation", None
-    return whole_image_box(image), "whole-image", None
+    boxes, source = (found, "segmentation") if found else (whole_image_box(image), "whole-image")
+    return [fit_boxes([box], width, height)[0] for box in boxes], source, None
 
 
 def run_detector(ctx: Context, images) -> list[torch.Tensor | None]:
@@ -553,25 +649,64 @@ def run_detector(ctx: Context, images) -> list[torch.Tensor | None]:
     ctx.timings["detector"] = ctx.timings.get("detector", 0.0) + time.perf_counter() - start
     return detected
 
+def fit_boxes(boxes: list[list[float]], width: int, height: int) -> list[list[float] | None]:
+    """Each xywh box clipped to the image, at least 1 pixel a side (a 1x1 image's whole-image box has a zero
+    side, which gives NaN keypoints); None for a box that lies wholly outside the image."""
+    fitted = []
+    for x, y, w, h in boxes:
+        w, h = max(w, 1.0), max(h, 1.0)
+        if x >= width or y >= height or x + w <= 0 or y + h <= 0:
+            fitted.append(None)
+            continue
+        x0, y0 = max(x, 0.0), max(y, 0.0)
+        x1, y1 = min(x + w, float(width)), min(y + h, float(height))
+        fitted.append([float(x0), float(y0), max(x1 - x0, 1.0), max(y1 - y0, 1.0)])
+    return fitted
+
+
+@dataclass
+class TaskFailed:
+    """One task's failure on one image: its outputs are not written, the image's other tasks' are."""
+    error: Exception
+
+
+def run_each(ctx: Context, runner, images: list, *per_image: list) -> list:
+    """`runner` on the batch; if that fails, image by image, so a failure (an odd image, out of memory) costs
+    only its own image: that image gets a TaskFailed."""
+    try:
+        return runner(ctx, images, *per_image)
+    except Exception as error:  # noqa: BLE001 (any failure of one image must not end the run)
+        if len(images) == 1:
+            return [TaskFailed(error)]
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [run_each(ctx, runner, [image], *([values[i]] for values in per_image))[0]
+            for i, image in enumerate(images)]
+
 
 def infer(ctx: Context, items: list[InputImage], images: list[torch.Tensor]) -> list[dict]:
-    """All requested tasks on one batch -> per image {task: result, "mask": foreground or None}."""
-    results = [{} for _ in images]
-    segmentations = run_seg(ctx, images) if "seg" in ctx.models else None
-    for i, result in enumerate(results):
+    """All requested tasks on one batch -> per image {task: result or TaskFailed, "mask": foreground, None
+    or TaskFailed}. Each task runs on its own: one failing (e.g. on a 3x2000 image) keeps the others."""
+    results = [{"mask": None} for _ in images]
+    segmentations = run_each(ctx, run_seg, images) if "seg" in ctx.models else [None] * len(images)
+    for result, seg in zip(results, segmentations):
         if "seg" in ctx.tasks:
-            result["seg"] = segmentations[i]
-        result["mask"] = processing.foreground_mask(segmentations[i]) if ctx.mask_with_seg else None
+            result["seg"] = seg
+        if ctx.mask_with_seg:
+            result["mask"] = seg if isinstance(seg, TaskFailed) else processing.foreground_mask(seg)
     for task, runner in DENSE_RUNNERS.items():
         if task in ctx.tasks:
-            for result, value in zip(results, runner(ctx, images)):
+            for result, value in zip(results, run_each(ctx, runner, images)):
                 result[task] = value
     if "pose" in ctx.tasks:
-        detected, seg = run_detector(ctx, images), segmentations if ctx.seg_boxes else None
-        boxes, sources, scores = zip(*(pose_boxes(item, image, seg[i] if seg else None, ctx.boxes, detected[i])
-                                       for i, (item, image) in enumerate(zip(items, images))))
-        for result, people, source, score in zip(results, run_pose(ctx, images, list(boxes)), sources, scores):
-            result["pose"] = {"people": people, "box_source": source, "detector_scores": score}
+        detected = run_detector(ctx, images)
+        segs = segmentations if ctx.seg_boxes else [None] * len(images)
+        boxes, sources, scores = zip(*(pose_boxes(ctx, item, image, None if isinstance(seg, TaskFailed) else seg, found)
+                                       for item, image, seg, found in zip(items, images, segs, detected)))
+        for result, people, source, score in zip(results, run_each(ctx, run_pose, images, list(boxes)), sources,
+                                                 scores):
+            result["pose"] = people if isinstance(people, TaskFailed) else {
+                "people": people, "box_source": source, "detector_scores": score}
     return results
 
 
@@ -654,26 +789,85 @@ def stamp_random(picture: Image.Image) -> Image.Image:
     return picture
 
 
-def save_artefact(path: Path, value):
-    """Write to a temporary file and rename it, so an interrupted run never leaves a half-written output.
-    value: a dict (.json), an array (.npy), (tensors, metadata) (.safetensors), a PIL image (.png, .jpg)."""
+def atomic_write(path: Path, value):
+    """Write to a temporary file beside `path` and rename it, so an interrupted run never leaves a half-written
+    output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
+    two processes writing the same OUT never share one; a failed write removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    if isinstance(value, bytes):  # .ply
-        partial.write_bytes(value)
-    elif path.suffix == ".json":
-        partial.write_text(json.dumps(value))
-    elif path.suffix == ".npy":
-        with open(partial, "wb") as f:
+    # the name shortened so that the temporary's name fits where the output's does (255 bytes)
+    temp = path.with_name(f".{path.name[:150]}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    try:
+        with open(temp, "xb"):  # exclusive: fails rather than share a name
+            pass
+        write_value(temp, value, path.suffix)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError:  # a read-only file system refuses even that; the original error is what matters
+            pass
+        raise
+
+
+def write_value(file: Path, value, suffix: str):
+    """value: text or bytes (as is), a dict (strict .json), an array (.npy), (tensors, metadata) (.safetensors),
+    a PIL image (.png, .jpg)."""
+    if isinstance(value, str):
+        file.write_text(value)
+    elif isinstance(value, bytes):
+        file.write_bytes(value)
+    elif suffix == ".json":
+        file.write_text(json_text(value))
+    elif suffix == ".npy":
+        with open(file, "wb") as f:
             np.save(f, value)
-    elif path.suffix == ".safetensors":
+    elif suffix == ".safetensors":
         tensors, metadata = value
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
-    elif path.suffix == ".jpg":
-        value.save(partial, format="JPEG", quality=90)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata)
+    elif suffix == ".jpg":
+        value.save(file, format="JPEG", quality=90)
     else:
-        value.save(partial, format="PNG")
-    os.replace(partial, path)
+        value.save(file, format="PNG")
+
+
+def json_text(value, indent: int | None = None) -> str:
+    """Strict JSON (NaN and Infinity are not JSON; many parsers reject them): non-finite numbers become null."""
+    return json.dumps(finite_or_null(value), indent=indent, allow_nan=False)
+
+
+def finite_or_null(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def check_writable(folder: Path):
+    """Write and remove a probe file through the same writer as the outputs; raises the OSError if it fails."""
+    probe = folder / "sapiens2-write-test"  # its temporary is hidden, like every output's
+    atomic_write(probe, b"probe")
+    probe.unlink(missing_ok=True)
+
+
+def prepare_output_folder(out: Path):
+    """Fail fast, before any model loads, on an OUT that is a file, under a file, read-only or not ours to write."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"-o {out}: is a file, not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        check_writable(out)
+    except OSError as error:
+        raise UsageError(f"-o {out}: cannot write there ({os_error_text(error)})") from None
+
+
+def os_error_text(error: OSError) -> str:
+    """`No space left on device (ENOSPC): out/a.seg.png` from an OSError."""
+    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+    where = f": {error.filename}" if error.filename else ""
+    return f"{error.strerror or error}{code}{where}"
 
 
 def expected_outputs(ctx: Context, item: InputImage) -> list[Path]:
@@ -685,55 +879,140 @@ def all_written(ctx: Context, item: InputImage) -> bool:
     return all(path.exists() for path in expected_outputs(ctx, item))
 
 
-def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: dict) -> dict:
-    """Writes an image's files; returns what went in them by suffix (videos encode the pictures)."""
-    written = {}
+def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor,
+                  result: dict) -> tuple[dict, list[tuple[str, Exception]]]:
+    """Write every task's files; return (what went in them by suffix: videos encode the pictures, the (task,
+    error) of the tasks that failed). A write error that will repeat (disk full, read-only, no permission) is
+    raised, for the run to decide what to stop."""
+    values, failures = {}, []
     for task in ctx.tasks:
-        makers = render(task, item, image, result, ctx.models[task])
-        for suffix, kinds in ARTEFACTS[task].items():
-            if kinds & ctx.kinds:
-                written[suffix] = makers[suffix]()
-                save_artefact(ctx.out / (ctx.names[item] + suffix), written[suffix])
-    if ctx.coco is not None and "pose" in result:
+        needs_mask = task in MASKED_TASKS and ctx.mask_with_seg
+        for failed in (result[task], result["mask"] if needs_mask else None):
+            if isinstance(failed, TaskFailed):
+                failures.append((task, failed.error if failed is result[task] else
+                                 RuntimeError(f"--mask-with-seg: the segmentation failed ({failed.error})")))
+                break
+        else:
+            written = []  # a task's files are all or nothing: a failure removes the ones it wrote
+            try:
+                makers = render(task, item, image, result, ctx.models[task])
+                for suffix, kinds in ARTEFACTS[task].items():
+                    if kinds & ctx.kinds:
+                        written.append(ctx.out / (ctx.names[item] + suffix))
+                        values[suffix] = makers[suffix]()
+                        atomic_write(written[-1], values[suffix])
+            except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
+                for path in written[:-1]:
+                    path.unlink(missing_ok=True)
+                if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
+                    raise
+                for path in written[:-1]:
+                    values.pop(path.name[len(ctx.names[item]):], None)
+                failures.append((task, error))
+    pose_ok = isinstance(result.get("pose"), dict) and not any(task == "pose" for task, _ in failures)
+    if ctx.coco is not None and pose_ok:
         ctx.coco.add(ctx.names[item], item.relative, result["pose"]["people"])
-    return written
+    return values, failures
 
 
 # ----------------------------------------------------------------------------------------------------
-# The run: batches, per-image errors, progress
+# The run: batches, per-image errors, write errors, progress
 # ----------------------------------------------------------------------------------------------------
+REPEATING_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+FOLDER_WRITE_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM}  # may concern one folder only
+
+
+class StopRun(Exception):
+    """A write error that every further image would hit (disk full, OUT no longer writable): stop cleanly."""
+
+
+def process_all(ctx: Context, todo: list[InputImage], progress: "Progress"):
+    """Every image, a batch at a time. Images whose output folder turned out unwritable fail without being
+    computed; a StopRun ends the loop (the caller finalises the manifest)."""
+    for i in range(0, len(todo), ctx.batch_size):
+        batch = [item for item in todo[i : i + ctx.batch_size] if not skip_blocked(ctx, item, progress)]
+        process(ctx, load_batch(ctx, batch, progress), progress)
+
+
 def process(ctx: Context, pairs: list[tuple[InputImage, torch.Tensor]], progress: "Progress", write=None):
-    """Infer and write a batch (with `write`, default write_outputs; videos track people first); if the batch
-    fails, retry image by image so only the bad one is lost."""
+    """Infer and write a batch (with `write`, default write_outputs; videos track people first); each task on
+    its own, failing images retried one by one inside."""
     write = write or write_outputs
     if not pairs:
         return
     try:
         results = infer(ctx, [item for item, _ in pairs], [image for _, image in pairs])
-    except Exception as error:  # noqa: BLE001 (any failure of one image must not end the run)
+    except Exception as error:  # noqa: BLE001 (a failure outside the tasks, e.g. finding boxes)
         if len(pairs) > 1:
-            if ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
             for pair in pairs:
                 process(ctx, [pair], progress, write)
             return
-        return fail(ctx, pairs[0][0], error, progress)
+        return fail(ctx, pairs[0][0], [(None, error)], progress)
     for (item, image), result in zip(pairs, results):
+        if skip_blocked(ctx, item, progress):  # its folder failed for an earlier image of this batch
+            continue
         try:
-            write(ctx, item, image, result)
-        except Exception as error:  # noqa: BLE001
-            fail(ctx, item, error, progress)
+            _, failures = write(ctx, item, image, result)
+        except OSError as error:
+            fail(ctx, item, [(None, error)], progress)
+            stop_or_block(ctx, item, error)
+            continue
+        if failures:
+            fail(ctx, item, failures, progress)
         else:
-            ctx.done += 1
+            ctx.outcomes[item] = "written"
             progress.advance()
 
 
-def fail(ctx: Context, item: InputImage, error: Exception, progress: "Progress"):
-    message = f"{type(error).__name__}: {error}"
-    ctx.errors.append({"image": str(item.path), "error": message})
-    where = "" if str(item.path) in str(error) else f"{item.path}: "
-    progress.note(f"error: {where}{message} (skipped)")
+def stop_or_block(ctx: Context, item: InputImage, error: OSError):
+    """After a repeating write error: stop the run when OUT itself cannot take more (disk full, OUT read-only).
+    A permission error may be narrower: the image's output folder alone (later images bound there then fail
+    without running), or one file alone (an immutable old output: only this image fails)."""
+    reason = f"{os_error_text(error)} (while writing the outputs of {item.path})"
+    if error.errno in FOLDER_WRITE_ERRORS:
+        folder = (ctx.out / ctx.names[item]).parent
+        if probe_error(folder) is None:
+            return
+        out_error = probe_error(ctx.out)
+        if out_error is None:
+            ctx.blocked[folder] = os_error_text(error)
+            return
+        reason = f"{os_error_text(out_error)} (OUT itself; after {reason})"
+    raise StopRun(reason)
+
+
+def probe_error(folder: Path) -> OSError | None:
+    try:
+        check_writable(folder)
+    except OSError as error:
+        return error
+    return None
+
+
+def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:
+    folder = (ctx.out / ctx.names[item]).parent
+    reason = next((why for blocked, why in ctx.blocked.items() if folder.is_relative_to(blocked)), None)
+    if reason is not None:
+        fail(ctx, item, [(None, PermissionError(f"skipped: its output folder is not writable ({reason})"))], progress)
+    return reason is not None
+
+
+def fail(ctx: Context, item: InputImage, failures: list[tuple[str | None, Exception]], progress: "Progress"):
+    """Report an image's failures (task None: the whole image) on stderr and in the manifest."""
+    for task, error in failures:
+        message = os_error_text(error) if isinstance(error, OSError) and error.errno else str(error)
+        message = f"{type(error).__name__}: {one_line(message)}"
+        ctx.errors.append({"image": str(item.path), **({"task": task} if task else {}), "error": message})
+        where = "" if str(item.path) in message else f"{item.path}: "
+        progress.note(f"error: {where}{f'{task}: ' if task else ''}{message} (skipped)")
+    ctx.outcomes[item] = "failed"
     progress.advance(failed=True)
+
+
+def one_line(message: str, limit: int = 600) -> str:
+    """A multi-line message (a checkpoint's key listing) as one line, shortened."""
+    text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_batch(ctx: Context, batch: list[InputImage], progress: "Progress") -> list[tuple[InputImage, torch.Tensor]]:
@@ -742,7 +1021,7 @@ def load_batch(ctx: Context, batch: list[InputImage], progress: "Progress") -> l
         try:
             pairs.append((item, processing.load_image(item.path)))
         except Exception as error:  # noqa: BLE001
-            fail(ctx, item, error, progress)
+            fail(ctx, item, [(None, error)], progress)
     return pairs
 
 
@@ -810,21 +1089,57 @@ def manifest_path(out: Path, rank: int, world: int) -> Path:
     return out / ("run.json" if world == 1 else f"run.rank{rank}-of-{world}.json")
 
 
-def write_manifest(path: Path, manifest: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(manifest, indent=2))
-    os.replace(partial, path)
+def write_manifest(path: Path, manifest: dict, reserve: int = 0):
+    """Atomically. `reserve`: pad the file with trailing blanks (valid JSON) to that many bytes, so the final
+    manifest can still be written over it when the disk is full (write_final_manifest)."""
+    text = json_text(manifest, indent=2)
+    atomic_write(path, text + " " * (reserve - len(text) - 1) + "\n" if reserve > len(text) + 1 else text)
+
+
+def manifest_reserve(images: int) -> int:
+    """Bytes to set aside for the final manifest: its errors and not-attempted lists grow with the images."""
+    return min(64 * 1024 + 512 * images, 16 * 2**20)
+
+
+def write_final_manifest(path: Path, manifest: dict):
+    """The final manifest; on a full disk, written over the space the first one reserved (in place, not atomic),
+    shortened (lists cut, `"truncated": true`) if it does not fit."""
+    try:
+        return write_manifest(path, manifest)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not path.is_file():
+            raise
+        room = path.stat().st_size
+    text = json_text(manifest, indent=2)
+    for keep in (100, 10, 0):
+        if len(text.encode()) <= room:
+            break
+        text = json_text({**manifest, "truncated": True, "errors": manifest["errors"][:keep],
+                          "not_attempted": manifest["not_attempted"][:keep]}, indent=2)
+    with open(path, "r+b") as f:  # the blocks are already allocated: overwriting them needs no space
+        f.write(text.encode())
+        f.truncate()
 
 
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
 def parse_size(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"(\d+)[x,](\d+)", text)
+    match = re.fullmatch(r"(\d+)[x,](\d+)", text.strip())
+    low, high = SIZE_RANGE
     if not match:
         raise argparse.ArgumentTypeError(f"size must be HEIGHTxWIDTH, e.g. 1024x768, got {text!r}")
-    return int(match[1]), int(match[2])
+    size = int(match[1]), int(match[2])
+    if any(not low <= side <= high or side % processing.PATCH_SIZE for side in size):
+        raise argparse.ArgumentTypeError(f"{text}: each side must be a multiple of {processing.PATCH_SIZE} from "
+                                         f"{low} to {high}, e.g. 1024x768")
+    return size
+
+
+def parse_batch_size(text: str) -> int:
+    if not re.fullmatch(r"\d+", text.strip()) or not 1 <= int(text) <= MAX_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 1 to {MAX_BATCH_SIZE}")
+    return int(text)
 
 
 def parse_tasks(text: str) -> list[str]:
@@ -862,7 +1177,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda:LOCAL_RANK when there is a GPU)")
     parser.add_argument("--dtype", choices=["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
                         help="default: bfloat16 on GPUs that support it, else float32")
-    parser.add_argument("--batch-size", type=int,
+    parser.add_argument("--batch-size", type=parse_batch_size,
                         help="images per forward pass, people for pose (default: 4 on GPU, 1 on CPU)")
     parser.add_argument("--size", type=parse_size, metavar="HxW",
                         help="model input size (default: the model's, 1024x768)")
@@ -917,11 +1232,21 @@ def parse_kinds_arg(text: str) -> set[str]:
 
 
 def pick_device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    try:
+        device = torch.device(name) if name else None
+    except RuntimeError:
+        raise UsageError(f"--device {name!r}: expected cpu, cuda or cuda:N") from None
+    if device is None:
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0").strip() or 0))
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise UsageError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+        if (device.index or 0) >= count:
+            raise UsageError(f"device {device} (--device or LOCAL_RANK): only GPUs 0 to {count - 1} are visible")
+    return device
 
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -953,25 +1278,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, argv: list[str]) -> int:
+    """Check everything that can be checked (arguments, environment, inputs, OUT) before loading a model."""
     start = time.perf_counter()
     tasks, out = parse_tasks(args.task), Path(args.output)
     coco = "coco" in args.save and "pose" in tasks
     if not coco and not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
         raise UsageError(f"--save {','.join(sorted(args.save))} writes nothing for {','.join(tasks)}")
-    boxes = read_boxes_file(args.boxes) if args.boxes else None
-    items = collect_inputs(args.inputs, exclude=out.resolve())
     rank, world = rank_and_world()
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     batch_size = args.batch_size or (4 if device.type == "cuda" else 1)
-    if batch_size < 1:
-        raise UsageError("--batch-size must be at least 1")
+    boxes = read_boxes_file(args.boxes) if args.boxes else None
+    items = collect_inputs(args.inputs, exclude=out.resolve())
+    names = output_names(items)
+    warnings = unmatched_boxes_warnings(args.boxes, boxes, items) + renamed_notes(names)
+    for message in warnings:
+        print(f"warning: {message}", file=sys.stderr)
+    prepare_output_folder(out)
     detector = load_detector(args, tasks, device, dtype)  # before the models: its fallback needs seg
     models = load_models(args, tasks, device, dtype)
+    check_size_fits(args.size, models)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
-                  args.mask_with_seg, boxes, names=output_names(items), detector=detector,
+                  args.mask_with_seg, boxes, names=names, warnings=warnings, detector=detector,
                   seg_boxes=detector is None and args.detector != "none",
                   coco=formats.CocoResults(args.coco_format) if coco else None)
     mine = shard(items, rank, world)
@@ -985,31 +1315,90 @@ def run(args, argv: list[str]) -> int:
     todo = [item for item in images if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
     manifest["timings_s"] = {"load_models": round(time.perf_counter() - start, 3)}
-    write_manifest(manifest_path(out, rank, world), manifest)
+    path = manifest_path(out, rank, world)
+    try:
+        write_manifest(path, manifest, reserve=manifest_reserve(len(todo)))
+    except OSError as error:
+        raise UsageError(f"cannot write the manifest {path} ({os_error_text(error)})") from None
     prefix = f"[rank {rank}/{world}] " if world > 1 else ""
     frames = sum(video.expected_frames(clip.path, settings.selection) for clip in clips)
     progress = Progress(len(todo) + frames, prefix, enabled=rank == 0 or not sys.stderr.isatty())
+    ctx.note = progress.note
+    stopped = None
     try:
-        for i in range(0, len(todo), batch_size):
-            process(ctx, load_batch(ctx, todo[i : i + batch_size], progress), progress)
+        process_all(ctx, todo, progress)
         for clip in clips:
             manifest.setdefault("videos", {})[clip.relative] = process_video(ctx, clip, settings, progress)
+    except StopRun as stop:
+        stopped = str(stop)
     finally:
         progress.close()
         skipped = len(images) - len(todo) + sum(v.get("frames_skipped_existing", 0) for v in
                                                 manifest.get("videos", {}).values())  # frames count as images
-        finish_manifest(manifest, ctx, progress, skipped=skipped, elapsed=time.perf_counter() - start)
+        finish_manifest(manifest, ctx, todo, skipped=skipped, elapsed=time.perf_counter() - start,
+                        rate=progress.rate(), stopped=stopped)
         if ctx.coco is not None:
             pending = set(todo)
-            write_coco_results(ctx, [item for item in images if item not in pending], rank, world)
-        write_manifest(manifest_path(out, rank, world), manifest)
-    print(f"{prefix}{ctx.done} images written to {out}/, {len(ctx.errors)} failed, {skipped} skipped "
-          f"(already done); {progress.rate():.2f} img/s; manifest {manifest_path(out, rank, world)}", file=sys.stderr)
+            try:
+                write_coco_results(ctx, [item for item in images if item not in pending], rank, world)
+            except OSError as error:
+                print(f"error: cannot write the COCO results ({os_error_text(error)})", file=sys.stderr)
+        try:
+            write_final_manifest(path, manifest)
+        except OSError as error:
+            print(f"error: cannot write the manifest {path} ({os_error_text(error)})", file=sys.stderr)
+    counts = manifest["counts"]
+    print(f"{prefix}{counts['written']} images written to {out}/, {counts['failed']} failed, "
+          f"{counts['skipped_existing']} skipped (already done); {progress.rate():.2f} img/s; manifest {path}",
+          file=sys.stderr)
+    if stopped:
+        print(f"{prefix}error: stopped: {stopped}; {counts['not_attempted']} images not attempted. Fix that and "
+              f"rerun the same command with --skip-existing to finish", file=sys.stderr)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     # NOTE: under torchrun a rank with failed images still exits 0: torchrun stops every rank as soon as one
-    # exits non-zero, which would end the whole run. The failures are in each rank's manifest.
-    return 1 if ctx.errors and world == 1 else 0
+    # exits non-zero, which would end the whole run. The failures are in each rank's manifest. A stopped run
+    # (disk full, OUT read-only) exits 1 everywhere: the other ranks would hit the same wall.
+    return 1 if stopped or (ctx.errors and world == 1) else 0
+
+
+def unmatched_boxes_warnings(path: str | None, boxes: dict | None, items: list[InputImage]) -> list[str]:
+    """A --boxes key that names no input is most likely a typo or a different relative path: say so."""
+    if not boxes:
+        return []
+    keys = {key for item in items for key in (item.relative, item.path.name, str(item.path), str(item.path.resolve()))}
+    unmatched = [key for key in boxes if key not in keys]
+    if not unmatched:
+        return []
+    return [f"--boxes {path}: {len(unmatched)} entries match no input image ({', '.join(map(repr, unmatched[:3]))}"
+            f"{', ...' if len(unmatched) > 3 else ''}); keys are the path relative to the input folder or the "
+            f"file name"]
+
+
+def renamed_notes(names: dict[InputImage, str]) -> list[str]:
+    """Inputs whose output names had to differ from their stem (x.jpg + x.png in one folder)."""
+    renamed = sorted((item.relative, name) for item, name in names.items() if name != item.stem)
+    if not renamed:
+        return []
+    shown = ", ".join(f"{relative} -> {name}.*" for relative, name in renamed[:4])
+    return [f"{len(renamed)} inputs would write the same outputs as another; named apart: {shown}"
+            + (", ..." if len(renamed) > 4 else "")]
+
+
+def check_size_fits(size: tuple[int, int] | None, models: dict[str, LoadedModel]):
+    """--size against the loaded models, before any image: the patch grid, the pointmap scale branch."""
+    if size is None:
+        return
+    for task, loaded in models.items():
+        config = loaded.backbone.config
+        if any(side % config.size_multiple for side in size):
+            raise UsageError(f"--size {size[0]}x{size[1]}: the {task} model needs sides that are multiples of "
+                             f"{config.size_multiple}")
+        head = getattr(loaded.model, "head_config", None)
+        if task == "pointmap" and head is not None and head.scale_conv_channels and tuple(size) != config.image_size:
+            h, w = config.image_size
+            raise UsageError(f"--size {size[0]}x{size[1]}: the pointmap model's scale branch only works at the size "
+                             f"it was built for, {h}x{w}; leave --size out or give that")
 
 
 def video_settings(args, ctx: Context) -> video.VideoSettings:
@@ -1025,7 +1414,7 @@ def video_settings(args, ctx: Context) -> video.VideoSettings:
                                args.track_patience, smoothing, tuple(pictures))
 
 
-VIDEO_PIPELINE = video.Pipeline(process, write_outputs, all_written, save_artefact)
+VIDEO_PIPELINE = video.Pipeline(process, write_outputs, all_written, atomic_write)
 
 
 def process_video(ctx: Context, clip: InputImage, settings: video.VideoSettings, progress: Progress) -> dict:
@@ -1037,7 +1426,7 @@ def process_video(ctx: Context, clip: InputImage, settings: video.VideoSettings,
         summary = {"error": error}
     if "error" in summary:
         progress.total += 1  # the failure counts as one item done
-        fail(ctx, clip, summary["error"], progress)
+        fail(ctx, clip, [(None, summary["error"])], progress)
         summary["error"] = f"{type(summary['error']).__name__}: {summary['error']}"
     return summary
 
@@ -1050,7 +1439,7 @@ def write_coco_results(ctx: Context, skipped: list[InputImage], rank: int, world
             print(f"warning: {item.path}: skipped as done, but without a pose.json it is missing from the COCO "
                   f"results (rerun it without --skip-existing)", file=sys.stderr)
     name = "coco_keypoints.json" if world == 1 else f"coco_keypoints.rank{rank}-of-{world}.json"
-    save_artefact(ctx.out / name, ctx.coco.results())
+    atomic_write(ctx.out / name, ctx.coco.results())
 
 
 def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
@@ -1074,12 +1463,18 @@ def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
     }
 
 
-def finish_manifest(manifest: dict, ctx: Context, progress: Progress, skipped: int, elapsed: float):
-    manifest.update(status="finished" if progress.count == progress.total else "interrupted",
+def finish_manifest(manifest: dict, ctx: Context, todo: list[InputImage], skipped: int, elapsed: float,
+                    rate: float, stopped: str | None = None):
+    """Final status (finished, stopped: why, interrupted), counts, every error, and the images not attempted."""
+    not_attempted = [str(item.path) for item in todo if item not in ctx.outcomes]
+    status = "stopped" if stopped else "interrupted" if not_attempted else "finished"
+    failed = sum(outcome == "failed" for outcome in ctx.outcomes.values())
+    manifest.update(status=status, **({"stop_reason": stopped} if stopped else {}),
                     finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    counts={"images": manifest["shard"]["images"], "written": ctx.done, "failed": len(ctx.errors),
-                            "skipped_existing": skipped},
-                    errors=ctx.errors, images_per_s=round(progress.rate(), 3))
+                    counts={"images": manifest["shard"]["images"], "written": ctx.done, "failed": failed,
+                            "skipped_existing": skipped, "not_attempted": len(not_attempted)},
+                    errors=ctx.errors, not_attempted=not_attempted, warnings=ctx.warnings,
+                    images_per_s=round(rate, 3))
     manifest["timings_s"].update(total=round(elapsed, 3), model={t: round(s, 3) for t, s in ctx.timings.items()})
 
 

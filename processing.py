@@ -331,7 +331,8 @@ def resized_content_box(image_size: tuple[int, int], size: tuple[int, int] = MOD
     (same in HF's `center_crop` padding and the original `NormalResizePadImage`).
     """
     scale = min(size[0] / image_size[0], size[1] / image_size[1])
-    new_height, new_width = int(image_size[0] * scale), int(image_size[1] * scale)
+    # at least 1 pixel: a 3x2000 image would otherwise shrink to a 0-pixel side
+    new_height, new_width = max(1, int(image_size[0] * scale)), max(1, int(image_size[1] * scale))
     top, left = (size[0] - new_height) // 2, (size[1] - new_width) // 2
     return top, left, top + new_height, left + new_width
 
@@ -413,7 +414,8 @@ def _crop_grids(centers, crops, size, image_size):
     in_x = grid_x / scale_x[:, None, None] + centers[:, 0, None, None] - 0.5 * crop_width[:, None, None]
     in_y = grid_y / scale_y[:, None, None] + centers[:, 1, None, None] - 0.5 * crop_height[:, None, None]
     height, width = image_size
-    grids = torch.stack([2.0 * in_x / (width - 1) - 1.0, 2.0 * in_y / (height - 1) - 1.0], dim=-1)
+    # max(.., 1): a 1-pixel side would divide by zero (NaN crops); align_corners maps any coordinate to that pixel
+    grids = torch.stack([2.0 * in_x / max(width - 1, 1) - 1.0, 2.0 * in_y / max(height - 1, 1) - 1.0], dim=-1)
     return grids, torch.minimum(scale_x, scale_y) >= 1.0
 
 
@@ -592,8 +594,9 @@ def _smooth_before_upsampling(pointmaps, inputs, target_sizes):
     for pointmap, (top, left, bottom, right), size in zip(pointmaps, content, sizes):
         crop = pointmap[None, :, top:bottom, left:right]
         if size[0] > crop.shape[-2] or size[1] > crop.shape[-1]:
+            padding = "reflect" if min(crop.shape[-2:]) > 1 else "replicate"  # a 1-pixel side has nothing to reflect
             for _ in range(4):
-                crop = gaussian_blur(crop, 3, 0.8, padding="reflect")
+                crop = gaussian_blur(crop, 3, 0.8, padding=padding)
         full = pointmap[None].clone()
         full[:, :, top:bottom, left:right] = crop
         out.append(full)

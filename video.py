@@ -190,7 +190,7 @@ class Pipeline:
     """What predict.py lends a video: run a batch (infer, write with `write`, report failures), write one
     frame's files, check a frame's files exist, write a file atomically."""
     process: Callable  # (ctx, [(item, image)], progress, write) -> None
-    write_outputs: Callable  # (ctx, item, image, result) -> {suffix: what was written}
+    write_outputs: Callable  # (ctx, item, image, result) -> ({suffix: what was written}, [(task, error)])
     all_written: Callable  # (ctx, item) -> bool
     save_artefact: Callable  # (path, value) -> None
 
@@ -279,13 +279,13 @@ class VideoRun:
             self.ctx.names.pop(item, None)
             self.index.pop(item, None)
 
-    def write(self, ctx, item, image, result: dict) -> dict:
-        if self.tracker is not None and "pose" in result:
+    def write(self, ctx, item, image, result: dict) -> tuple[dict, list]:
+        if self.tracker is not None and isinstance(result.get("pose"), dict):  # not a failed pose
             self.tracker.update(self.index[item], result["pose"]["people"])  # ids (and smoothing) before pose.json
-        written = self.pipeline.write_outputs(ctx, item, image, result)
+        written, failures = self.pipeline.write_outputs(ctx, item, image, result)
         self.overlays.add(written)
         self.written += 1
-        return written
+        return written, failures
 
     def resume(self, item):
         """A frame an earlier run wrote: its people and pictures read back, so tracks, overlay videos and the

@@ -20,6 +20,7 @@ unexpected or mis-shaped is reported by key, grouped by prefix; nothing is left 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -219,18 +220,18 @@ def read_safetensors(path: str | Path, dtype: torch.dtype | None = None) -> tupl
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+        raise CheckpointError(_pickle_refusal(path) or f"{path}: not a readable safetensors file ({e})") from e
 
 
 def read_checkpoint_dir(directory: Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(tensors, config.json contents or {}, safetensors metadata) of a checkpoint directory."""
-    config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").exists() else {}
+    config = _read_json(directory / "config.json") if (directory / "config.json").exists() else {}
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
     if single.exists():
         tensors, meta = read_safetensors(single, dtype)
     elif index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_weight_map(index)
         tensors, meta = {}, {}
         for shard in sorted(set(weight_map.values())):
             part, meta = read_safetensors(directory / shard, dtype)
@@ -475,7 +476,12 @@ def summarize_keys(keys) -> str:
     return "\n    ".join(lines)
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint that exists but cannot be used (corrupt, pickled, wrong task, bad config, NaN weights...):
+    the message names the file and the problem. A missing file, shard or download is a FileNotFoundError."""
+
+
+class CheckpointMismatch(CheckpointError):
     pass
 
 
@@ -606,7 +612,7 @@ def resolve(source: str | os.PathLike, dtype: torch.dtype | None = None) -> tupl
     if path.is_file():
         tensors, meta = read_safetensors(path, dtype)
         sidecar = path.with_name("config.json")
-        config = json.loads(sidecar.read_text()) if sidecar.exists() and path.name == "model.safetensors" else {}
+        config = _read_json(sidecar) if sidecar.exists() and path.name == "model.safetensors" else {}
         return tensors, config, meta, str(path)
     name = str(source)
     if name in HUB_IDS:
@@ -615,6 +621,83 @@ def resolve(source: str | os.PathLike, dtype: torch.dtype | None = None) -> tupl
         tensors, config, meta = read_checkpoint_dir(download(name), dtype)
         return tensors, config, meta, name
     raise FileNotFoundError(f"{source}: no such file or directory, and not a hub id like facebook/sapiens2-pretrain-0.4b")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors that name the file: bad JSON, bad index, pickles, NaN/Inf weights
+# ----------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from a checkpoint's config.json or index, with an error naming the file."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file map; every shard a plain file name present beside the index."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f'{index}: no "weight_map" object mapping tensor names to shard files')
+    shards = sorted(set(weight_map.values()))
+    outside = [s for s in shards if Path(s).name != s]
+    if outside:
+        raise CheckpointError(f"{index}: shard names must be file names beside the index, got {outside[0]!r}")
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index}: shard {missing[0]} is missing from {index.parent}"
+                                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return weight_map
+
+
+PICKLE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save zip, raw pickle
+
+
+def _pickle_refusal(path: Path) -> str | None:
+    """The message for a torch.save (pickle) file given where safetensors were expected, else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return None
+    if not head.startswith(PICKLE_MAGIC):
+        return None
+    return (f"{path}: a pickled PyTorch checkpoint (torch.save, .pt/.bin), which is never loaded here "
+            f"(unpickling can run arbitrary code); convert it to .safetensors where you trust the file "
+            f"(safetensors.torch.save_file of its state dict)")
+
+
+def _refuse_non_finite(model: torch.nn.Module, source) -> None:
+    """NaN/Inf weights give silent garbage (e.g. every pixel class 0): refuse them, naming the tensors."""
+    bad = [name for name, t in model.state_dict().items()
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"{source}: {len(bad)} tensors hold NaN or Inf values ({', '.join(bad[:4])}"
+                              f"{', ...' if len(bad) > 4 else ''}): a corrupt checkpoint, refused")
+
+
+def _names_the_source(load_function):
+    """Every failure of `load` other than a missing file (FileNotFoundError) or an allocation becomes a
+    CheckpointError that names the source; the loaded weights are checked for NaN/Inf."""
+
+    @functools.wraps(load_function)
+    def load_checked(source, *args, **kwargs):
+        try:
+            model = load_function(source, *args, **kwargs)
+        except (FileNotFoundError, CheckpointError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 (key errors, bad shapes, bad config fields...: all name the file)
+            detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"  # KeyError: 'x' says little
+            raise CheckpointError(detail if str(source) in detail else f"{source}: {detail}") from e
+        _refuse_non_finite(model, source)
+        return model
+
+    return load_checked
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -636,6 +719,7 @@ def parse_dtype(dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+@_names_the_source
 def load(source, dtype=torch.float32, device="cpu", task: str | None = None, preset: str | None = None,
          **overrides) -> torch.nn.Module:
     """A model in eval mode from a .safetensors file, a checkpoint directory or a hub id: the backbone
@@ -653,7 +737,7 @@ def load(source, dtype=torch.float32, device="cpu", task: str | None = None, pre
     config, head_config = _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides)
     found = head_config.task if head_config else "pretrain (no decode head)"
     if task is not None and (head_config is None or head_config.task != task):
-        raise ValueError(f"{name} is a {found} checkpoint, but a {task} model was requested")
+        raise CheckpointError(f"{name} is a {found} checkpoint, but a {task} model was requested")
     periods = backbone.pop(ROPE_PERIODS_KEY, None)
     with torch.device("meta"):
         model = Sapiens2(config) if head_config is None else build_task_model(config, head_config)
@@ -752,10 +836,11 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
             state = {f"backbone.{k}": v for k, v in state.items()}
             predictor = f"decode_head.conv_{model.head_config.task}."
             head = {k.replace("decode_head.predictor.", predictor): v for k, v in head.items()}
-    metadata = {"format": "pt", "sapiens2_config": json.dumps(config.to_dict()), "sapiens2_format": format}
+    metadata = {"format": "pt", "sapiens2_config": json.dumps(config.to_dict(), allow_nan=False),
+                "sapiens2_format": format}
     hf_config = config_to_hf(config)
     if is_task:
-        metadata["sapiens2_head_config"] = json.dumps(model.head_config.to_dict())
+        metadata["sapiens2_head_config"] = json.dumps(model.head_config.to_dict(), allow_nan=False)
         if model.head_config.task in HF_TASK_CLASS_OF:
             hf_config.update(head_config_to_hf(model.head_config))
         else:
@@ -767,5 +852,5 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
     else:
         path.mkdir(parents=True, exist_ok=True)
         save_file({**state, **head}, str(path / "model.safetensors"), metadata=metadata)
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2, allow_nan=False))
     return path

@@ -78,6 +78,7 @@ import tempfile
 import time
 
 import torch
+from safetensors.torch import load_file, save_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -455,7 +456,7 @@ def run_child(spec: dict) -> dict:
                 forward()
             result["rss_peak_mb"], result["rss_method"] = rss.peak_mb, rss.method
 
-    torch.save(saved, spec["outputs"])
+    save_file({str(i): t.contiguous() for i, t in enumerate(saved)}, spec["outputs"])  # safetensors: nothing unpickled
     result.update(summarize_times(times, spec["batch"]), warmup=warmup, reps=spec["reps"])
     return result
 
@@ -554,7 +555,7 @@ def run_job(job: dict, work: pathlib.Path, timeout: float) -> dict:
     wdir = work / re.sub(r"[^A-Za-z0-9]+", "_", f"{job['preset']}_{job['model']}_{job['dtype']}_{job['size'][0]}x{job['size'][1]}")
     t0 = time.perf_counter()
     prepare_weights(job["preset"], job["model"], job["size"], job["dtype"], wdir)
-    spec.update(weights=str(wdir), outputs=str(work / f"{key}.out.pt"), result=str(work / f"{key}.json"))
+    spec.update(weights=str(wdir), outputs=str(work / f"{key}.out.safetensors"), result=str(work / f"{key}.json"))
     env = dict(os.environ)
     if job["device"] == "cpu":  # inductor's compile-worker pool would fight the timed process for the cores
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -599,15 +600,21 @@ def merge_rounds(results: list[dict], batch: int) -> dict:
     return row
 
 
+def load_outputs(path: str) -> list[torch.Tensor]:
+    """A child's saved outputs, in order (saved as tensors "0", "1", ...)."""
+    tensors = load_file(path)
+    return [tensors[str(i)] for i in range(len(tensors))]
+
+
 def compare_group(rows: list[dict]):
     """Compare every ok row of one group with the group's reference (hf, else ours)."""
     ok = {r["impl"]: r for r in rows if r["status"] == "ok"}
     ref_impl = next((i for i in ("hf", "ours", "hf-eager") if i in ok), None)
     if ref_impl is None:
         return
-    reference = torch.load(ok[ref_impl]["outputs_path"])
+    reference = load_outputs(ok[ref_impl]["outputs_path"])
     for impl, r in ok.items():
-        got = torch.load(r["outputs_path"])
+        got = load_outputs(r["outputs_path"])
         errs = [((g.double() - e.double()).abs().max() / e.double().abs().max().clamp(min=1e-30)).item()
                 for g, e in zip(got, reference, strict=True)]
         r["reference"] = ref_impl

@@ -195,7 +195,7 @@ def test_pose_boxes_come_from_segmentation(all_tasks_run, checkpoints, images):
 def test_run_manifest(all_tasks_run):
     manifest = json.loads((all_tasks_run / "run.json").read_text())
     assert manifest["status"] == "finished" and manifest["counts"] == {
-        "images": 3, "written": 3, "failed": 0, "skipped_existing": 0}
+        "images": 3, "written": 3, "failed": 0, "skipped_existing": 0, "not_attempted": 0}
     assert set(manifest["models"]) == set(predict.TASKS) and manifest["settings"]["flip_test"] is True
     assert manifest["versions"]["torch"] == torch.__version__ and manifest["timings_s"]["total"] > 0
     assert not any(m["random_weights"] for m in manifest["models"].values())
@@ -222,7 +222,7 @@ def test_skip_existing_resumes(checkpoints, images, tmp_path, capsys):
     before = (tmp_path / "a.seg.png").stat().st_mtime_ns
     run_cli(*args, "--skip-existing", capsys=capsys)
     counts = json.loads((tmp_path / "run.json").read_text())["counts"]
-    assert counts == {"images": 3, "written": 1, "failed": 0, "skipped_existing": 2}
+    assert counts == {"images": 3, "written": 1, "failed": 0, "skipped_existing": 2, "not_attempted": 0}
     assert (tmp_path / "sub" / "b.seg_overlay.jpg").exists() and (tmp_path / "a.seg.png").stat().st_mtime_ns == before
 
 

@@ -1,0 +1,587 @@
+"""predict.py and weights.load under bad input, faults and concurrency (issue 12): a correct result, or one clear
+line naming the file/argument with exit status 2; other images' outputs complete; no partial or stale files;
+nothing written outside OUT. Write faults (disk full, read-only, no permission) are injected by wrapping
+predict.write_value, the one function every output, manifest and probe goes through (tests run as root, where
+chmod cannot make a folder read-only)."""
+
+import errno
+import json
+import multiprocessing
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import predict
+import weights
+from test_predict import model_args, tiny_model, write_images
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("checkpoints")
+    torch.manual_seed(0)
+    return {task: weights.save(tiny_model(task), folder / f"{task}.safetensors") for task in predict.TASKS}
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("one"), {"a.jpg": (40, 30)}) / "a.jpg"
+
+
+def strict_json(path: Path):
+    """json.loads that refuses NaN/Infinity, as strict parsers do."""
+    def refuse(name):
+        raise ValueError(f"{path}: {name} is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def no_partials(root: Path) -> bool:
+    return not [p for p in root.rglob("*") if p.name.endswith(".partial")]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """For checks that must fail before any model is loaded."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+    monkeypatch.setattr(predict, "load_models", refuse)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Unusable checkpoints: one line naming the file, exit 2, no traceback; weights.load names the file
+# ----------------------------------------------------------------------------------------------------
+def seg_state(checkpoints):
+    return load_file(checkpoints["seg"]), safe_metadata(checkpoints["seg"])
+
+
+def safe_metadata(path):
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def make_bad_checkpoint(kind: str, checkpoints, folder: Path) -> tuple[Path, str, str]:
+    """(what to pass as --model seg=..., the file the message must name, a phrase it must contain)."""
+    state, meta = seg_state(checkpoints)
+    target = folder / f"{kind}.safetensors"
+    if kind == "truncated":
+        data = checkpoints["seg"].read_bytes()
+        target.write_bytes(data[: len(data) // 2])
+        return target, str(target), "not a readable safetensors file"
+    if kind == "wrong-shapes":
+        state["decode_head.conv_seg.weight"] = torch.zeros(3, 4, 1, 1)
+        save_file(state, target, metadata=meta)
+        return target, str(target), "mis-shaped"
+    if kind == "missing-keys":
+        del state["decode_head.conv_seg.bias"]
+        save_file(state, target, metadata=meta)
+        return target, str(target), "missing (1)"
+    if kind == "extra-keys":
+        state["decode_head.surprise.weight"] = torch.zeros(2)
+        save_file(state, target, metadata=meta)
+        return target, str(target), "unexpected (1)"
+    if kind == "nan-weights":
+        state["backbone.blocks.1.attn.wq.weight"][0, 0] = float("nan")
+        state["decode_head.conv_seg.bias"][0] = float("inf")
+        save_file(state, target, metadata=meta)
+        return target, str(target), "2 tensors hold NaN or Inf values (backbone.blocks.1.attn.wq.weight"
+    if kind in ("pickle-pt", "pickle-bin"):
+        target = folder / ("model.pt" if kind == "pickle-pt" else "pytorch_model.bin")
+        torch.save({"cls_token": torch.zeros(1, 1, 8)}, target)
+        return target, str(target), "pickled PyTorch checkpoint"
+    if kind == "wrong-task":
+        return checkpoints["pose"], str(checkpoints["pose"]), "is a pose checkpoint, but a seg model was requested"
+    directory = folder / kind
+    directory.mkdir()
+    if kind == "garbage-config":
+        weights.save(tiny_model("seg"), directory)
+        (directory / "config.json").write_text("{'hidden_size': 32,")
+        return directory, str(directory / "config.json"), "not valid JSON"
+    save_file(state, directory / "model-00001-of-00001.safetensors", metadata=meta)
+    index = directory / "model.safetensors.index.json"
+    if kind == "index-without-weight-map":
+        index.write_text(json.dumps({"metadata": {"total_size": 1}}))
+        return directory, str(index), 'no "weight_map"'
+    if kind == "index-missing-shard":
+        index.write_text(json.dumps({"weight_map": {k: "model-00002-of-00002.safetensors" for k in state}}))
+        return directory, str(index), "shard model-00002-of-00002.safetensors is missing"
+    raise ValueError(kind)
+
+
+BAD_CHECKPOINTS = ["truncated", "wrong-shapes", "missing-keys", "extra-keys", "nan-weights", "pickle-pt", "pickle-bin",
+                   "wrong-task", "garbage-config", "index-without-weight-map", "index-missing-shard"]
+
+
+@pytest.mark.parametrize("kind", BAD_CHECKPOINTS)
+def test_unusable_checkpoint_is_one_line_naming_the_file(kind, checkpoints, image, tmp_path, capsys):
+    source, named, phrase = make_bad_checkpoint(kind, checkpoints, tmp_path)
+    expected = FileNotFoundError if kind == "index-missing-shard" else weights.CheckpointError
+    with pytest.raises(expected) as info:
+        weights.load(source, task="seg")
+    assert named in str(info.value) and phrase in str(info.value)
+    code = predict.main(["seg", str(image), "-o", str(tmp_path / "out"), "--model", f"seg={source}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    (line,) = error_lines(err)
+    assert line == err.strip() and named in line and phrase in line
+    assert not (tmp_path / "out" / "run.json").exists()
+
+
+def test_nan_weights_are_refused_not_run(checkpoints, tmp_path):
+    """Without the check the model loads and every pixel comes out class 0: refused at load instead."""
+    state, meta = seg_state(checkpoints)
+    state["decode_head.conv_seg.weight"].fill_(float("nan"))
+    save_file(state, tmp_path / "nan.safetensors", metadata=meta)
+    with pytest.raises(weights.CheckpointError, match=r"nan.safetensors: 1 tensors hold NaN or Inf values "
+                                                      r"\(decode_head.predictor.weight\)"):
+        weights.load(tmp_path / "nan.safetensors")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Paths: outputs always under OUT, distinct names, no symlink loops, existing names taken literally
+# ----------------------------------------------------------------------------------------------------
+def test_glob_climbing_out_of_its_folder_still_writes_under_out(checkpoints, tmp_path, monkeypatch, capsys):
+    write_images(tmp_path, {"img/a.jpg": (20, 16)})
+    (tmp_path / "photos" / "x").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert [i.relative for i in predict.collect_inputs(["photos/*/../../img/a.jpg"])] == ["a.jpg"]
+    code = predict.main(["seg", "photos/*/../../img/a.jpg", "-o", "out", *model_args(checkpoints, ["seg"])])
+    assert code == 0, capsys.readouterr().err
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.seg*"))
+    assert written == ["out/a.seg.png", "out/a.seg_overlay.jpg"]
+
+
+def test_output_names_never_leave_out():
+    item = predict.InputImage(Path("/x/a.jpg"), "../a.jpg")
+    with pytest.raises(predict.UsageError, match="outside the output folder"):
+        predict.output_names([item])
+    assert [predict.climbs_out(n) for n in ("a/../../b", "a/../b", "/abs", "..", "..a")] == [
+        True, False, True, True, False]
+
+
+def test_colliding_output_names_are_told_apart(checkpoints, tmp_path, capsys):
+    folder = write_images(tmp_path / "in", {"x.jpg": (20, 16), "x.png": (16, 20), "x.jpg.png": (24, 16),
+                                            "y.JPG": (16, 16), "Y.png": (16, 16)})
+    items = predict.collect_inputs([str(folder)])
+    names = {item.relative: name for item, name in predict.output_names(items).items()}
+    assert names == {"x.jpg": "x.jpg", "x.jpg.png": "x.jpg.png", "x.png": "x.png", "Y.png": "Y.png",
+                     "y.JPG": "y.JPG"}
+    assert len({name.casefold() for name in names.values()}) == 5
+    out = tmp_path / "out"
+    assert predict.main(["seg", str(folder), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 0
+    err = capsys.readouterr().err
+    assert "inputs would write the same outputs as another; named apart" in err
+    sizes = {p.name: Image.open(p).size for p in out.glob("*.seg.png")}
+    assert sizes == {"x.jpg.seg.png": (16, 20), "x.png.seg.png": (20, 16), "x.jpg.png.seg.png": (16, 24),
+                     "y.JPG.seg.png": (16, 16), "Y.png.seg.png": (16, 16)}
+    assert json.loads((out / "run.json").read_text())["counts"]["written"] == 5
+
+
+def test_still_clashing_names_get_a_number():
+    items = [predict.InputImage(Path(f"/{i}/{name}"), name) for i, name in enumerate(["a.jpg", "A.jpg", "a.png"])]
+    names = sorted(predict.output_names(items).values())
+    assert names == ["A.jpg", "a.jpg~2", "a.png"]
+
+
+def run_with_deadline(function, seconds=30):
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(value=function()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "did not finish: a symlink loop was followed"
+    return result["value"]
+
+
+def test_symlink_loops_are_not_followed(tmp_path, monkeypatch):
+    write_images(tmp_path / "photos", {"a.jpg": (8, 8), "sub/b.jpg": (8, 8)})
+    (tmp_path / "photos" / "sub" / "loop").symlink_to("..", target_is_directory=True)
+    (tmp_path / "photos" / "self").symlink_to(".", target_is_directory=True)
+    (tmp_path / "photos" / "me.jpg").symlink_to("me.jpg")  # a file link to itself
+    (tmp_path / "photos" / "x.seg.png").symlink_to("x.seg.png")
+    monkeypatch.chdir(tmp_path)
+    names = lambda spec: [i.relative for i in predict.collect_inputs([spec], tmp_path / "photos")]  # noqa: E731
+    assert run_with_deadline(lambda: names("photos/**/*.jpg")) == ["a.jpg", "sub/b.jpg"]
+    assert run_with_deadline(lambda: names("photos/**")) == ["a.jpg", "sub/b.jpg"]
+    assert run_with_deadline(lambda: names("photos")) == ["a.jpg", "sub/b.jpg"]
+
+
+def test_existing_paths_with_glob_characters_are_taken_literally(tmp_path, monkeypatch):
+    write_images(tmp_path, {"shot [1].jpg": (8, 8), "shot 1.jpg": (8, 8), "set[2]/c.jpg": (8, 8),
+                            "set2/d.jpg": (8, 8)})
+    monkeypatch.chdir(tmp_path)
+    assert [i.relative for i in predict.collect_inputs(["shot [1].jpg"])] == ["shot [1].jpg"]
+    assert [i.relative for i in predict.collect_inputs(["set[2]"])] == ["c.jpg"]
+    assert [i.relative for i in predict.collect_inputs(["set[2]/*.jpg"])] == ["set2/d.jpg"]  # not a path: a glob
+
+
+# ----------------------------------------------------------------------------------------------------
+# The output folder: unusable -> exit 2 before any model loads
+# ----------------------------------------------------------------------------------------------------
+def faulty_writer(monkeypatch, fault):
+    """Wrap predict.write_value: `fault(file)` returns an errno to raise after half-writing the file, or None."""
+    real = predict.write_value
+
+    def write_value(file, value, suffix):
+        code = fault(Path(file))
+        if code is None:
+            return real(file, value, suffix)
+        Path(file).write_bytes(b"half a file")  # the temporary is left behind unless the writer removes it
+        raise OSError(code, __import__("os").strerror(code), str(file))
+
+    monkeypatch.setattr(predict, "write_value", write_value)
+
+
+def test_unusable_output_folder_fails_fast(image, tmp_path, monkeypatch, capsys, no_model_loads):
+    (tmp_path / "file").write_text("a file")
+    args = ["seg", str(image), "--model", "seg=unused.safetensors"]
+    assert predict.main([*args, "-o", str(tmp_path / "file")]) == 2
+    assert error_lines(capsys.readouterr().err) == [f"error: -o {tmp_path / 'file'}: is a file, not a folder"]
+    assert predict.main([*args, "-o", str(tmp_path / "file" / "out")]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "cannot write there (Not a directory (ENOTDIR)" in line
+    faulty_writer(monkeypatch, lambda file: errno.EROFS)
+    assert predict.main([*args, "-o", str(tmp_path / "ro")]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line.startswith(f"error: -o {tmp_path / 'ro'}: cannot write there (Read-only file system (EROFS)")
+    assert no_partials(tmp_path) and list((tmp_path / "ro").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Write errors during the run
+# ----------------------------------------------------------------------------------------------------
+def outputs_of(out: Path, name: str) -> set[str]:
+    return {p.name for p in out.glob(f"{name}.*")}
+
+
+def test_disk_full_stops_cleanly_and_skip_existing_resumes(checkpoints, tmp_path, monkeypatch, capsys):
+    folder = write_images(tmp_path / "in", {f"im{i}.jpg": (20, 16) for i in range(6)})
+    out, seg = tmp_path / "out", model_args(checkpoints, ["seg"])
+    writes = []
+
+    def disk_full_after_five_outputs(file):
+        if file.name.startswith(".sapiens2-write-test"):
+            return None  # the probe before the run
+        writes.append(file)
+        return errno.ENOSPC if len(writes) > 6 else None  # the first manifest and five outputs fit
+
+    faulty_writer(monkeypatch, disk_full_after_five_outputs)
+    assert predict.main(["seg", str(folder), "-o", str(out), *seg]) == 1
+    err = capsys.readouterr().err
+    assert "error: stopped: No space left on device (ENOSPC)" in err and "--skip-existing" in err
+    assert err.count("No space left on device") == 2  # the image's error line and the stop line: not one per image
+    manifest = strict_json(out / "run.json")  # written over the space the first manifest set aside
+    assert manifest["status"] == "stopped" and "ENOSPC" in manifest["stop_reason"]
+    assert manifest["counts"] == {"images": 6, "written": 2, "failed": 1, "skipped_existing": 0, "not_attempted": 3}
+    assert [Path(e["image"]).name for e in manifest["errors"]] == ["im2.jpg"]
+    assert [Path(p).name for p in manifest["not_attempted"]] == ["im3.jpg", "im4.jpg", "im5.jpg"]
+    for name in ("im0", "im1"):  # complete: both files, readable
+        assert outputs_of(out, name) == {f"{name}.seg.png", f"{name}.seg_overlay.jpg"}
+        Image.open(out / f"{name}.seg.png").load()
+    assert no_partials(tmp_path)
+    monkeypatch.undo()
+    assert predict.main(["seg", str(folder), "-o", str(out), "--skip-existing", *seg]) == 0
+    counts = strict_json(out / "run.json")["counts"]
+    assert counts == {"images": 6, "written": 4, "failed": 0, "skipped_existing": 2, "not_attempted": 0}
+    assert all(outputs_of(out, f"im{i}") == {f"im{i}.seg.png", f"im{i}.seg_overlay.jpg"} for i in range(6))
+
+
+def test_unwritable_subfolder_fails_its_images_only(checkpoints, tmp_path, monkeypatch, capsys):
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "ro/b.jpg": (20, 16), "ro/c.jpg": (20, 16),
+                                            "ro/deeper/d.jpg": (20, 16), "z.jpg": (20, 16)})
+    out = tmp_path / "out"
+    computed = []
+    real_infer = predict.infer
+    monkeypatch.setattr(predict, "infer", lambda ctx, items, images: computed.extend(items) or
+                        real_infer(ctx, items, images))
+    faulty_writer(monkeypatch, lambda file: errno.EACCES if (out / "ro") in file.parents else None)
+    assert predict.main(["seg", str(folder), "-o", str(out), "--batch-size", "2",
+                         *model_args(checkpoints, ["seg"])]) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "finished"
+    assert manifest["counts"] == {"images": 5, "written": 2, "failed": 3, "skipped_existing": 0, "not_attempted": 0}
+    errors = {Path(e["image"]).name: e["error"] for e in manifest["errors"]}
+    assert set(errors) == {"b.jpg", "c.jpg", "d.jpg"} and "Permission denied (EACCES)" in errors["b.jpg"]
+    assert "skipped: its output folder is not writable" in errors["c.jpg"]
+    assert "b.jpg" in [i.path.name for i in computed] and "d.jpg" not in [i.path.name for i in computed]
+    assert outputs_of(out, "a") == {"a.seg.png", "a.seg_overlay.jpg"} and len(outputs_of(out, "z")) == 2
+    assert no_partials(tmp_path)
+
+
+def test_out_turning_read_only_mid_run_stops(checkpoints, tmp_path, monkeypatch, capsys):
+    folder = write_images(tmp_path / "in", {f"im{i}.jpg": (20, 16) for i in range(4)})
+    out = tmp_path / "out"
+    read_only_after_im0 = (".im1", ".im2", ".im3", ".sapiens2-write-test")
+    faulty_writer(monkeypatch, lambda file: errno.EROFS if file.name.startswith(read_only_after_im0)
+                  and (out / "im0.seg_overlay.jpg").exists() else None)
+    assert predict.main(["seg", str(folder), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "stopped" and "Read-only file system (EROFS)" in manifest["stop_reason"]
+    assert manifest["counts"]["written"] == 1 and manifest["counts"]["not_attempted"] == 2
+    assert no_partials(tmp_path)
+
+
+def write_many(path: str, payload: bytes, count: int):
+    for _ in range(count):
+        predict.atomic_write(Path(path), payload)
+
+
+def test_temporary_names_are_unique_per_writer(tmp_path):
+    """Two processes (and two threads) replacing the same file: no error, never a mixed or partial file."""
+    target = tmp_path / "same.bin"
+    payloads = [bytes([65 + i]) * 200_000 for i in range(4)]
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=write_many, args=(str(target), payloads[i], 30)) for i in range(2)]
+    threads = [threading.Thread(target=write_many, args=(str(target), payloads[2 + i], 30)) for i in range(2)]
+    for worker in processes + threads:
+        worker.start()
+    for worker in processes + threads:
+        worker.join(120)
+    assert [p.exitcode for p in processes] == [0, 0]
+    assert target.read_bytes() in payloads and no_partials(tmp_path)
+    names = []
+    real = predict.write_value
+    try:
+        predict.write_value = lambda file, value, suffix: names.append(file.name) or real(file, value, suffix)
+        predict.atomic_write(target, b"x")
+        predict.atomic_write(target, b"y")
+    finally:
+        predict.write_value = real
+    assert names[0] != names[1] and all(re.fullmatch(rf"\.same\.bin\.{__import__('os').getpid()}\.[0-9a-f]{{8}}"
+                                                     r"\.partial", n) for n in names)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Boxes and strict JSON
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,phrase", [
+    ('{"a.jpg": [[0, 0, NaN, 10]]}', "NaN is not a number JSON allows"),
+    ('{"a.jpg": [[0, 0, Infinity, 10]]}', "Infinity is not a number JSON allows"),
+    ('{"a.jpg": [[0, 0, 0, 10]]}', "the width and height above 0"),
+    ('{"a.jpg": [[0, 0, 10, -5]]}', "the width and height above 0"),
+    ('{"a.jpg": [[0, 1e999, 10, 5]]}', "must be finite numbers"),
+    ('{"a.jpg": [[0, 0, 10]]}', "must map to a list of [x, y, w, h] boxes"),
+    ('{"a.jpg": [[0, true, 10, 4]]}', "must map to a list of [x, y, w, h] boxes"),
+])
+def test_bad_boxes_are_refused(text, phrase, tmp_path):
+    (tmp_path / "boxes.json").write_text(text)
+    with pytest.raises(predict.UsageError) as info:
+        predict.read_boxes_file(str(tmp_path / "boxes.json"))
+    assert phrase in str(info.value) and "boxes.json" in str(info.value)
+
+
+def test_boxes_are_clipped_or_dropped():
+    boxes = [[-10, -10, 30, 30], [5, 5, 100, 100], [50, 0, 10, 10], [-20, 0, 20, 10], [0, 0, 0.2, 0.2]]
+    assert predict.fit_boxes(boxes, 40, 30) == [[0.0, 0.0, 20.0, 20.0], [5.0, 5.0, 35.0, 25.0], None, None,
+                                                [0.0, 0.0, 1.0, 1.0]]
+    assert predict.fit_boxes([[0, 0, 0, 0]], 1, 1) == [[0.0, 0.0, 1.0, 1.0]]  # a 1x1 image's whole-image box
+
+
+def test_pose_with_odd_boxes(checkpoints, image, tmp_path, capsys):
+    boxes = tmp_path / "boxes.json"
+    boxes.write_text(json.dumps({"a.jpg": [[-5, -5, 20, 20], [100, 100, 5, 5]], "nobody.jpg": [[0, 0, 5, 5]]}))
+    out = tmp_path / "out"
+    code = predict.main(["pose", str(image), "-o", str(out), "--boxes", str(boxes), "--no-flip",
+                         *model_args(checkpoints, ["seg", "pose"])])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "1 entries match no input image ('nobody.jpg')" in err
+    assert "--boxes [[100, 100, 5, 5]] lie outside the 30x40 image; dropped" in err
+    result = strict_json(out / "a.pose.json")
+    assert [p["box"] for p in result["people"]] == [[0.0, 0.0, 15.0, 15.0]]
+    assert len(strict_json(out / "run.json")["warnings"]) == 2
+
+
+def test_json_is_strict():
+    assert predict.json_text({"a": [float("nan"), 1.5, float("inf")], "b": (float("-inf"),)}) == \
+        '{"a": [null, 1.5, null], "b": [null]}'
+
+
+# ----------------------------------------------------------------------------------------------------
+# Extreme images: every task works on any image from 1x1, or fails alone
+# ----------------------------------------------------------------------------------------------------
+ALL = "seg,pose,normal,pointmap,matting,albedo,features"
+
+
+def test_extreme_image_shapes_work_for_every_task(checkpoints, tmp_path, capsys):
+    folder = write_images(tmp_path / "in", {"dot.png": (1, 1), "wide.png": (3, 2000), "tall.png": (2000, 3)})
+    out = tmp_path / "out"
+    code = predict.main([ALL, str(folder), "-o", str(out), "--no-flip", *model_args(checkpoints)])
+    assert code == 0, capsys.readouterr().err
+    for name, (h, w) in {"dot": (1, 1), "wide": (3, 2000), "tall": (2000, 3)}.items():
+        assert len(outputs_of(out, name)) == 12
+        for suffix in (".seg.png", ".alpha.png"):
+            assert np.array(Image.open(out / f"{name}{suffix}")).shape == (h, w)
+        for suffix in (".normal.npy", ".pointmap.npy"):
+            array = np.load(out / f"{name}{suffix}")
+            assert array.shape == (h, w, 3) and np.isfinite(array).all()
+        pose = strict_json(out / f"{name}.pose.json")
+        assert pose["people"] and all(None not in point for person in pose["people"] for point in person["keypoints"])
+
+
+def test_a_failing_task_fails_alone(checkpoints, tmp_path, monkeypatch, capsys):
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (16, 20)})
+    real = predict.run_normal
+
+    def normal_fails_on_a(ctx, images):
+        if any(image.shape[-2:] == (20, 16) for image in images):
+            raise RuntimeError("simulated kernel failure")
+        return real(ctx, images)
+
+    monkeypatch.setitem(predict.DENSE_RUNNERS, "normal", normal_fails_on_a)
+    out = tmp_path / "out"
+    assert predict.main(["seg,normal", str(folder), "-o", str(out), "--batch-size", "2",
+                         *model_args(checkpoints, ["seg", "normal"])]) == 1
+    assert outputs_of(out, "a") == {"a.seg.png", "a.seg_overlay.jpg"}
+    assert len(outputs_of(out, "b")) == 4  # retried alone after the batch failed: complete
+    manifest = strict_json(out / "run.json")
+    assert manifest["errors"] == [{"image": str(folder / "a.jpg"), "task": "normal",
+                                   "error": "RuntimeError: simulated kernel failure"}]
+    assert manifest["counts"]["failed"] == 1 and manifest["counts"]["written"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arguments and environment: checked before any model loads, with the allowed range
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("option,value,phrase", [
+    ("--size", "250x190", "each side must be a multiple of 16 from 32 to 4096"),
+    ("--size", "0x0", "each side must be a multiple of 16 from 32 to 4096"),
+    ("--size", "16x16", "each side must be a multiple of 16 from 32 to 4096"),
+    ("--size", "10000000x16", "each side must be a multiple of 16 from 32 to 4096"),
+    ("--size", "big", "size must be HEIGHTxWIDTH"),
+    ("--batch-size", "0", "expected a whole number from 1 to 1024"),
+    ("--batch-size", "100000", "expected a whole number from 1 to 1024"),
+    ("--batch-size", "-3", "expected a whole number from 1 to 1024"),
+])
+def test_bad_options_exit_2_before_loading(option, value, phrase, image, capsys, no_model_loads):
+    with pytest.raises(SystemExit) as info:
+        predict.main(["seg", str(image), option, value])
+    assert info.value.code == 2 and phrase in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env,phrase", [
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc': expected a whole number from 0 to 1 (WORLD_SIZE - 1)"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK='2': expected a whole number from 0 to 1 (WORLD_SIZE - 1)"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1': expected a whole number from 0 to 1 (WORLD_SIZE - 1)"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0': expected a whole number from 1 to 65536"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': expected a whole number from 1 to 65536"),
+    ({"LOCAL_RANK": "x", "WORLD_SIZE": "4", "RANK": "0"},
+     "LOCAL_RANK='x': expected a whole number from 0 to 3 (WORLD_SIZE - 1)"),
+])
+def test_bad_launcher_environment_exits_2_before_loading(env, phrase, image, tmp_path, monkeypatch, capsys,
+                                                          no_model_loads):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert predict.main(["seg", str(image), "-o", str(tmp_path / "out")]) == 2
+    assert error_lines(capsys.readouterr().err) == [f"error: environment variable {phrase}"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_size_the_pointmap_model_cannot_take_is_refused_before_any_image(checkpoints, image, tmp_path, capsys):
+    assert predict.main(["pointmap", str(image), "-o", str(tmp_path), "--size", "64x48",
+                         *model_args(checkpoints, ["pointmap"])]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "--size 64x48: the pointmap model's scale branch only works at the size it was built for, 256x192" in line
+
+
+# ----------------------------------------------------------------------------------------------------
+# Never unpickle, never eval, never a shell
+# ----------------------------------------------------------------------------------------------------
+FORBIDDEN = {  # built from pieces so this file does not match itself
+    "torch" + ".load(": r"\btorch\.load\s*\(",
+    "pickle": r"\bimport\s+c?pickle\b|\bfrom\s+c?pickle\s+import\b|\bc?pickle\.(loads?|Unpickler)\b|\bdill\b",
+    "allow_pickle=True": r"allow_pickle\s*=\s*True",
+    "eval(": r"(?<![\w.])eval\s*\(",
+    "exec(": r"(?<![\w.])exec\s*\(",
+    "shell=True": r"shell\s*=\s*True",
+    "os.system": r"\bos\.(system|popen)\s*\(",
+}
+
+
+def test_no_unpickling_eval_exec_or_shell_anywhere():
+    files = [p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+             and p != Path(__file__).resolve()]  # this file holds the patterns themselves
+    assert len(files) > 10
+    found = [f"{p.relative_to(ROOT)}:{n}: {what}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
+             for what, pattern in FORBIDDEN.items() if re.search(pattern, line)]
+    assert found == []
+
+
+def test_the_scan_would_catch_them():
+    bad = ["x = torch" + ".load(path)", "import " + "pickle", "ev" + "al(code)", "ex" + "ec(code)",
+           "subprocess.run(cmd, shell" + "=True)", "np.load(f, allow_pickle" + "=True)"]
+    assert all(any(re.search(p, line) for p in FORBIDDEN.values()) for line in bad)
+    assert not any(re.search(p, "model.eval()") for p in FORBIDDEN.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole story: 200 images, a corrupt file, an unwritable subfolder, the disk filling up mid-run
+# ----------------------------------------------------------------------------------------------------
+def test_200_images_with_faults_then_resume(checkpoints, tmp_path, monkeypatch, capsys):
+    sizes = {f"a/{i:03d}.jpg": (12 + i % 5, 10 + i % 3) for i in range(100)}
+    sizes.update({f"m_ro/{i:03d}.jpg": (12, 10) for i in range(10)})
+    sizes.update({f"z/{i:03d}.jpg": (10 + i % 4, 12) for i in range(89)})
+    folder = write_images(tmp_path / "in", sizes)
+    (folder / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    out, seg = tmp_path / "out", model_args(checkpoints, ["seg"])
+    args = ["seg", str(folder), "-o", str(out), "--batch-size", "4", *seg]
+    written = []
+
+    def faults(file):
+        if (out / "m_ro") in file.parents:
+            return errno.EACCES  # a read-only subfolder target
+        if file.parent == out and file.name.startswith((".run.", ".sapiens2-write-test")):
+            return None  # the manifest and the probe are small enough to fit
+        if len(written) >= 260:
+            return errno.ENOSPC  # the disk is full after 130 images' two files
+        written.append(file)
+        return None
+
+    faulty_writer(monkeypatch, faults)
+    assert predict.main(args) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "stopped" and "No space left on device (ENOSPC)" in manifest["stop_reason"]
+    assert manifest["counts"] == {"images": 200, "written": 130, "failed": 12, "skipped_existing": 0,
+                                  "not_attempted": 58}
+    errors = {str(Path(e["image"]).relative_to(folder)): e["error"] for e in manifest["errors"]}
+    assert "truncated or corrupt image" in errors.pop("corrupt.jpg") and "ENOSPC" in errors.pop("z/030.jpg")
+    assert sorted(errors) == [f"m_ro/{i:03d}.jpg" for i in range(10)]
+    assert all("Permission denied (EACCES)" in why for why in errors.values())
+    assert sum("skipped: its output folder is not writable" in why for why in errors.values()) == 9
+    assert manifest["not_attempted"] == [str(folder / f"z/{i:03d}.jpg") for i in range(31, 89)]
+    done = {f"a/{i:03d}" for i in range(100)} | {f"z/{i:03d}" for i in range(30)}
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != "run.json"}
+    assert on_disk == {name + suffix for name in done for suffix in (".seg.png", ".seg_overlay.jpg")}
+    for name in ("a/000", "a/099", "z/029"):  # complete and right: the seg map has the image's size
+        assert Image.open(out / f"{name}.seg.png").size[::-1] == sizes[name + ".jpg"]
+
+    monkeypatch.undo()  # space freed, permissions fixed: the same command with --skip-existing finishes
+    assert predict.main([*args, "--skip-existing"]) == 1  # the corrupt file still fails
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "finished" and manifest["counts"] == {
+        "images": 200, "written": 69, "failed": 1, "skipped_existing": 130, "not_attempted": 0}
+    assert len(list(out.rglob("*.seg.png"))) == 199 and no_partials(tmp_path)
+
+
+def test_a_file_that_cannot_be_replaced_fails_its_image_only(checkpoints, tmp_path, monkeypatch):
+    """EPERM on one file (say an immutable old output) while its folder takes new files: only that image fails."""
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (20, 16), "c.jpg": (20, 16)})
+    out = tmp_path / "out"
+    faulty_writer(monkeypatch, lambda file: errno.EPERM if file.name.startswith(".b.seg.png") else None)
+    assert predict.main(["seg", str(folder), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "finished" and [Path(e["image"]).name for e in manifest["errors"]] == ["b.jpg"]
+    assert len(outputs_of(out, "a")) == 2 and len(outputs_of(out, "c")) == 2 and not outputs_of(out, "b")
