@@ -632,8 +632,9 @@ def pose_boxes(ctx: Context, item: InputImage, image, segmentation,
     if detected is not None:
         detected = detected[(detected[:, 2] > 0) & (detected[:, 3] > 0)]  # an empty box has nothing to crop
     if detected is not None and len(detected):
-        fitted = fit_boxes(detected[:, :4].tolist(), width, height)
-        kept = [(box, score) for box, score in zip(fitted, detected[:, 4].tolist()) if box is not None]
+        inside = fit_boxes(detected[:, :4].tolist(), width, height)  # kept as detected, unless wholly outside
+        kept = [(box, score) for box, fitted, score in zip(detected[:, :4].tolist(), inside, detected[:, 4].tolist())
+                if fitted is not None]
         if kept:
             return [box for box, _ in kept], "detector", [score for _, score in kept]
     found = person_boxes(segmentation) if segmentation is not None else []
@@ -1291,6 +1292,7 @@ def run(args, argv: list[str]) -> int:
     boxes = read_boxes_file(args.boxes) if args.boxes else None
     items = collect_inputs(args.inputs, exclude=out.resolve())
     names = output_names(items)
+    require_av_for(items)
     warnings = unmatched_boxes_warnings(args.boxes, boxes, items) + renamed_notes(names)
     for message in warnings:
         print(f"warning: {message}", file=sys.stderr)
@@ -1306,11 +1308,6 @@ def run(args, argv: list[str]) -> int:
                   coco=formats.CocoResults(args.coco_format) if coco else None)
     mine = shard(items, rank, world)
     clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
-    if clips:
-        try:
-            video.require_av()
-        except ImportError as error:
-            raise UsageError(f"{clips[0].path}: {error}") from None
     images = [item for item in mine if not video.is_video(item.path)]
     todo = [item for item in images if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
@@ -1399,6 +1396,16 @@ def check_size_fits(size: tuple[int, int] | None, models: dict[str, LoadedModel]
             h, w = config.image_size
             raise UsageError(f"--size {size[0]}x{size[1]}: the pointmap model's scale branch only works at the size "
                              f"it was built for, {h}x{w}; leave --size out or give that")
+
+
+def require_av_for(items: list[InputImage]):
+    """Videos need PyAV: say so before anything is loaded or written."""
+    clip = next((item for item in items if video.is_video(item.path)), None)
+    if clip is not None:
+        try:
+            video.require_av()
+        except ImportError as error:
+            raise UsageError(f"{clip.path}: {error}") from None
 
 
 def video_settings(args, ctx: Context) -> video.VideoSettings:
