@@ -9,8 +9,8 @@ The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `proce
 
 Formats
   onnx          torch.onnx.export(dynamo=True) at opset 18 (ONNX Runtime >= 1.14, TensorRT 10); needs onnx,
-                onnxscript and onnxruntime (export-time dependencies, not runtime ones). Files over 2 GB keep
-                their weights beside them in NAME.onnx.data.
+                onnxscript and onnxruntime (export-time dependencies, not runtime ones). Models over 1.5 GB keep
+                their weights beside the graph in NAME.onnx.data.
   torch-export  a torch.export program, torch.export.save (load with torch.export.load(path).module()).
   aoti          an AOTInductor package (torch._inductor.aoti_compile_and_package; needs a C++ compiler),
                 load with torch._inductor.aoti_load_package(path).
@@ -95,10 +95,9 @@ class ExportWrapper(nn.Module):
         return {name: getattr(out, name) for name in OUTPUTS[self.task]}
 
 
-def load_model(task: str, source: str | None, dtype: torch.dtype, rope: str) -> nn.Module:
-    """Any source weights.load accepts; a size (0.4b) means that task's released checkpoint, as in predict.py.
-    `features` takes the backbone of any checkpoint, pretrain or task."""
-    source = model_source(task, source, {})
+def load_model(task: str, source: str, dtype: torch.dtype, rope: str) -> nn.Module:
+    """Any source weights.load accepts (see model_source for sizes). `features` takes the backbone of any
+    checkpoint, pretrain or task."""
     try:
         model = weights.load(source, dtype=dtype, task=None if task == "features" else task, rope_dtype=rope)
     except (FileNotFoundError, ValueError) as error:
@@ -170,7 +169,7 @@ def export_onnx(wrapper: ExportWrapper, example: torch.Tensor, path: Path, dynam
         )
     emulate_bf16_arithmetic(program.model)
     program.model.metadata_props.update({"sapiens2": json.dumps(info)})
-    program.save(str(path))  # weights go to NAME.onnx.data beside it when the model exceeds 2 GB
+    program.save(str(path))  # weights go to NAME.onnx.data beside it when they exceed 1.5 GB
 
 
 @contextlib.contextmanager
@@ -302,10 +301,11 @@ def staging_folder(path: Path):
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield staging
-        for item in sorted(staging.iterdir()):
+        staged = sorted(staging.iterdir())
+        for item in staged:
             os.replace(item, path.parent / item.name)
-        stale = path.with_name(path.name + ".data")  # weights of an earlier, bigger export of that name
-        if not (staging / stale.name).exists() and stale.exists() and path.suffix == ".onnx":
+        stale = path.with_name(path.name + ".data")  # the weights of an earlier, bigger export of that name
+        if path.suffix == ".onnx" and stale.name not in {item.name for item in staged} and stale.exists():
             stale.unlink()
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -361,7 +361,8 @@ def export(args) -> dict[str, float]:
     check_packages(args.format, dtype)
     path = args.output
     check_output_path(path, args.format)
-    model = load_model(args.task, args.model, dtype, args.rope)
+    source = model_source(args.task, args.model, {})  # a size (0.4b) means the task's released checkpoint
+    model = load_model(args.task, source, dtype, args.rope)
     size = tuple(args.size or backbone_of(model).config.image_size)
     check_size(model, args.task, size)
     wrapper = ExportWrapper(model, args.task).eval()
@@ -369,7 +370,7 @@ def export(args) -> dict[str, float]:
     with torch.no_grad(), reference_kernels():
         expected = wrapper(example)  # also fills the RoPE table cache: the tables become graph constants
     write, run = WRITERS[args.format]
-    info = describe(args.task, model_source(args.task, args.model, {}), model, size, dtype, args.dynamic_batch)
+    info = describe(args.task, source, model, size, dtype, args.dynamic_batch)
     with staging_folder(path) as staging:
         print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
               f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {args.rope}) to {args.format} ...",
