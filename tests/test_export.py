@@ -118,6 +118,18 @@ def test_torch_export_round_trip_equals_eager(task, checkpoints, tmp_path):
             assert torch.equal(got[name], want[name]), f"{task}.{name} batch {batch}"
 
 
+def test_features_from_a_task_checkpoint(checkpoints, tmp_path):
+    """`features` takes the backbone of any checkpoint: here a seg model's."""
+    path = tmp_path / "backbone.pt2"
+    assert run_export("features", "--model", checkpoints["seg"], "-o", path, "--format", "torch-export") == 0
+    pixels = pixels_for("seg", 1)
+    with torch.no_grad():
+        got = torch.export.load(str(path)).module()(pixels)
+        want = weights.load(checkpoints["seg"]).backbone(pixels)
+    assert list(got) == ["cls", "features"]
+    assert torch.equal(got["cls"], want.cls) and torch.equal(got["features"], want.features)
+
+
 def test_onnx_fp16_fixed_size_by_default_and_size_option(checkpoints, tmp_path, capsys):
     path = tmp_path / "features16.onnx"
     assert run_export("features", "--model", checkpoints["features"], "-o", path, "--size", "32x64", "--dtype", "fp16") == 0
