@@ -25,6 +25,8 @@ onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from torch.onnx._internal.exporter import _onnx_program as onnx_program_module  # noqa: E402
+
 SIZE = (64, 48)
 POINTMAP_SIZE = (128, 96)  # the scale branch's two stride-2 convs need a grid that keeps 2x2 pixels
 
@@ -70,11 +72,14 @@ def leftovers(folder):
 
 
 @pytest.mark.parametrize("task", export.TASKS)
-def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, capsys):
+def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, capsys, monkeypatch):
     path = tmp_path / f"{task}.onnx"
+    if task == "albedo":  # weights beside the graph (NAME.onnx.data), as for models over 2 GB
+        monkeypatch.setattr(onnx_program_module, "_LARGE_MODEL_THRESHOLD", 0)
     assert run_export(task, "--model", checkpoints[task], "-o", path, "--dynamic-batch") == 0
     assert "max relative difference vs eager" in capsys.readouterr().out
     assert leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] + ([f"{path.name}.data"] if task == "albedo" else [])
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == list(export.OUTPUTS[task])
     info = json.loads({p.key: p.value for p in onnx.load(str(path)).metadata_props}["sapiens2"])
@@ -111,6 +116,18 @@ def test_torch_export_round_trip_equals_eager(task, checkpoints, tmp_path):
         assert list(got) == list(export.OUTPUTS[task])
         for name in want:
             assert torch.equal(got[name], want[name]), f"{task}.{name} batch {batch}"
+
+
+def test_features_from_a_task_checkpoint(checkpoints, tmp_path):
+    """`features` takes the backbone of any checkpoint: here a seg model's."""
+    path = tmp_path / "backbone.pt2"
+    assert run_export("features", "--model", checkpoints["seg"], "-o", path, "--format", "torch-export") == 0
+    pixels = pixels_for("seg", 1)
+    with torch.no_grad():
+        got = torch.export.load(str(path)).module()(pixels)
+        want = weights.load(checkpoints["seg"]).backbone(pixels)
+    assert list(got) == ["cls", "features"]
+    assert torch.equal(got["cls"], want.cls) and torch.equal(got["features"], want.features)
 
 
 def test_onnx_fp16_fixed_size_by_default_and_size_option(checkpoints, tmp_path, capsys):
