@@ -118,6 +118,9 @@ def parse_args(argv) -> argparse.Namespace:
     if not args.resume:
         if args.model is None:
             parser.error("--model is required (e.g. --model 0.4b for a new head on the pretrain backbone)")
+        if (Path(args.out) / STATE_FILE).exists():
+            parser.error(f"{args.out} already holds a training run: --resume continues it; for a new run choose "
+                         "another -o (or delete that folder)")
         return args
     state_path = Path(args.out) / STATE_FILE
     if not state_path.is_file():

@@ -130,14 +130,14 @@ def backbone(tmp_path_factory) -> Path:
 def test_overfit_each_task(task, backbone, tmp_path):
     data = make_dataset(task, tmp_path / "data")
     out = tmp_path / "run"
-    steps = 30
+    steps = 100 if task == "pose" else 30  # keypoints need more steps to localize than dense maps to fit
     assert run_train(task, data, out, backbone, "--steps", steps, "--lr", "3e-3", "--eval-every", steps,
                      "--log-every", 1, "--layer-decay", "1", "--clip-grad", "0") == 0
     log = read_log(out)
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == steps and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3]), losses
     final = [r["eval"] for r in log if "eval" in r][-1]
-    name, sign = train_data.MAIN_METRIC[task]
+    name, sign = train_data.MAIN_METRIC[task] if task != "pose" else ("oks_ap", 1)  # PCK@0.05: ~1 px here
     # the same metric of the untrained model (fresh head on the same backbone, seed 0)
     model = weights.load(out)
     info = train_data.dataset_info(task, data)
@@ -150,8 +150,7 @@ def test_overfit_each_task(task, backbone, tmp_path):
     fresh = heads.build_task_model(model.config, model.head_config)
     fresh.backbone.load_state_dict(weights.load(backbone).state_dict())
     before = train.evaluate(fresh.eval(), val, args, info, dist_info)[name]
-    if task != "pose":  # 30 steps of a 2-block backbone do not localize keypoints (test_pose_metrics_* instead)
-        assert sign * (final[name] - before) > 0, (before, final)
+    assert sign * (final[name] - before) > 0, (before, final)
     assert isinstance(model, heads.TASK_MODELS[task]) and model.head_config.out_channels == info["out_channels"]
 
 
@@ -247,13 +246,17 @@ def torchrun(*args, processes=2):
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_two_processes_equal_one(engine, backbone, tmp_path):
     """The same global batch (4) and seed on 1 process and on 2 (gloo): the same weights and optimizer state.
-    The FSDP run also recomputes activations (--checkpoint-activations), which must not change the numbers."""
+    The FSDP run also recomputes activations (--checkpoint-activations), which must not change the numbers,
+    and stops after step 2 and resumes (the sharded optimizer state goes through the files)."""
     data = make_dataset("seg", tmp_path / "data")
     common = ["seg", "--data", data, "--model", backbone, "--head", HEADS["seg"], "--workers", 0, "--no-progress",
               "--steps", 3, "--warmup", 1, "--lr", "1e-3"]
     assert train.main([str(a) for a in [*common, "-o", tmp_path / "one", "--batch-size", 4]]) == 0
-    torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2,
-             *(["--fsdp", "--checkpoint-activations"] if engine == "fsdp" else []))
+    if engine == "ddp":
+        torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2)
+    else:
+        torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2, "--fsdp", "--checkpoint-activations", "--stop-at", 2)
+        torchrun("seg", "--data", data, "-o", tmp_path / "two", "--resume")
     one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
     assert one.keys() == two.keys()
     # A conv bias right before an InstanceNorm has a zero gradient in exact arithmetic; Adam turns its rounding
