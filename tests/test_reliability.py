@@ -608,3 +608,11 @@ def test_skip_existing_removes_temporaries_of_killed_runs(checkpoints, image, tm
     assert predict.main(["seg", str(image), "-o", str(out), "--skip-existing", *model_args(checkpoints, ["seg"])]) == 0
     assert "removed 2 temporary files" in capsys.readouterr().err
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
+
+
+def test_bad_device_exits_2_before_loading(image, tmp_path, capsys, no_model_loads):
+    assert predict.main(["seg", str(image), "-o", str(tmp_path), "--device", "gpu7"]) == 2
+    assert "--device 'gpu7': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert predict.main(["seg", str(image), "-o", str(tmp_path), "--device", "cuda"]) == 2
+        assert "no CUDA GPU is visible; use --device cpu" in capsys.readouterr().err
