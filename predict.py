@@ -810,6 +810,38 @@ def atomic_write(path: Path, value):
         raise
 
 
+TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.partial$")  # atomic_write's names: .NAME.PID.RANDOM.partial
+STALE_AFTER_S = 600
+
+
+def remove_stale_temporaries(out: Path) -> int:
+    """Temporaries left in OUT by a killed run (kill -9, power loss): those of a process that no longer runs
+    here, untouched for 10 minutes (on a shared disk the process may run on another machine, and would still be
+    writing). Returns how many were removed."""
+    removed, now = 0, time.time()
+    for folder, _, files in os.walk(out):
+        for name in files:
+            match = TEMPORARY.match(name)
+            path = Path(folder) / name
+            try:
+                if match and not process_alive(int(match[1])) and now - path.stat().st_mtime > STALE_AFTER_S:
+                    path.unlink()
+                    removed += 1
+            except OSError:  # gone meanwhile, or not ours to remove: leave it
+                pass
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # alive, another user's (or an impossible pid: do not guess)
+    return True
+
+
 def write_value(file: Path, value, suffix: str):
     """value: text or bytes (as is), a dict (strict .json), an array (.npy), (tensors, metadata) (.safetensors),
     a PIL image (.png, .jpg)."""
@@ -1308,6 +1340,9 @@ def run(args, argv: list[str]) -> int:
                   coco=formats.CocoResults(args.coco_format) if coco else None)
     mine = shard(items, rank, world)
     clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
+    if args.skip_existing and (removed := remove_stale_temporaries(out)):
+        print(f"note: removed {removed} temporary files left in {out} by an earlier run that was killed",
+              file=sys.stderr)
     images = [item for item in mine if not video.is_video(item.path)]
     todo = [item for item in images if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))

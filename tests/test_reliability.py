@@ -585,3 +585,34 @@ def test_a_file_that_cannot_be_replaced_fails_its_image_only(checkpoints, tmp_pa
     manifest = strict_json(out / "run.json")
     assert manifest["status"] == "finished" and [Path(e["image"]).name for e in manifest["errors"]] == ["b.jpg"]
     assert len(outputs_of(out, "a")) == 2 and len(outputs_of(out, "c")) == 2 and not outputs_of(out, "b")
+
+
+def test_skip_existing_removes_temporaries_of_killed_runs(checkpoints, image, tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+    import time
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a pid that has exited
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    old = time.time() - 3600
+    stale = [out / f".a.seg.png.{dead}.0123abcd.partial", out / "sub" / f".b.normal.npy.{dead}.89abcdef.partial"]
+    kept = [out / f".a.seg.png.{os.getpid()}.0123abcd.partial",  # a live writer
+            out / f".a.depth.png.{dead}.00000000.partial",  # too recent: maybe another machine's, still writing
+            out / "notes.partial"]  # not one of ours
+    for path in stale + kept:
+        path.write_bytes(b"half")
+        if path != kept[1]:
+            os.utime(path, (old, old))
+    assert predict.main(["seg", str(image), "-o", str(out), "--skip-existing", *model_args(checkpoints, ["seg"])]) == 0
+    assert "removed 2 temporary files" in capsys.readouterr().err
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
+
+
+def test_bad_device_exits_2_before_loading(image, tmp_path, capsys, no_model_loads):
+    assert predict.main(["seg", str(image), "-o", str(tmp_path), "--device", "gpu7"]) == 2
+    assert "--device 'gpu7': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert predict.main(["seg", str(image), "-o", str(tmp_path), "--device", "cuda"]) == 2
+        assert "no CUDA GPU is visible; use --device cpu" in capsys.readouterr().err
