@@ -634,12 +634,15 @@ def _check_rope_periods(periods: torch.Tensor | None, config: Sapiens2Config, so
 
 
 # ----------------------------------------------------------------------------------------------------
-# Hub download (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE are honoured)
+# The Hub: the Hugging Face cache first (where transformers users already have the weights), then a
+# download, with huggingface_hub when it is installed (its cache, auth, resume), else with the built-in
+# downloader into ~/.cache/sapiens2. HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, HF_HOME, HF_HUB_CACHE are honoured.
 # ----------------------------------------------------------------------------------------------------
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Released checkpoints by preset name: pretrain by size ("0.4b"), task models as "seg-0.4b" (albedo: none released).
-HUB_IDS = {name: f"facebook/sapiens2-pretrain-{name}" for name in ("0.1b", "0.4b", "0.8b", "1b", "5b")}
+# Released checkpoints by preset name: pretrain by size ("0.4b"; the 4K variant has no Hub repo: HF cannot
+# represent its tokenizer), task models as "seg-0.4b" (albedo: none released).
+HUB_IDS = {name: f"facebook/sapiens2-pretrain-{name}" for name, c in PRESETS.items() if not c.use_tokenizer}
 HUB_IDS.update({name: f"facebook/sapiens2-{name}" for name in TASK_PRESETS if not name.startswith("albedo")})
 
 
@@ -682,17 +685,86 @@ def _fetch(url: str, target: Path, progress: bool = True) -> bool:
 
 
 def download(repo_id: str, revision: str = "main", progress: bool = True) -> Path:
-    """A local directory holding repo_id's config.json and weights, downloading what is not cached."""
+    """A local directory holding repo_id's config.json and weights: a complete copy in our cache or the
+    Hugging Face cache, else downloaded (huggingface_hub when installed, else the built-in downloader)."""
     local = cache_dir() / repo_id.replace("/", "--") / revision
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    have = lambda name: (local / name).exists()  # noqa: E731
-    if have("model.safetensors") or have("model.safetensors.index.json"):
-        index = local / "model.safetensors.index.json"
-        shards = set(read_json(index)["weight_map"].values()) if index.exists() else set()
-        if all(have(s) for s in shards):
-            return local
+    for found in (local, hf_cache_snapshot(repo_id, revision)):
+        if found is not None and _complete(found):
+            return found
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         raise FileNotFoundError(_how_to_get(repo_id, revision, local, "HF_HUB_OFFLINE is set"))
+    try:
+        import huggingface_hub
+        import huggingface_hub.errors
+    except ImportError:  # optional: the built-in downloader does the same, without auth helpers or xet
+        return _download_builtin(repo_id, revision, local, progress)
+    return _download_with_hub(huggingface_hub, repo_id, revision)
+
+
+def _complete(directory: Path) -> bool:
+    """model.safetensors, or an index and every shard it lists."""
+    index = directory / "model.safetensors.index.json"
+    if (directory / "model.safetensors").exists():
+        return True
+    return index.exists() and all((directory / s).exists() for s in set(read_json(index)["weight_map"].values()))
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, by huggingface_hub's rules (read from the environment at call time)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The snapshot directory of repo_id@revision in the Hugging Face cache, if there is one
+    (models--<owner>--<name>/snapshots/<commit>, the commit read from refs/<revision>)."""
+    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = repo / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
+
+
+def _download_with_hub(hub, repo_id: str, revision: str) -> Path:
+    """Download into the Hugging Face cache with huggingface_hub; the snapshot directory."""
+    get = lambda name: Path(hub.hf_hub_download(  # noqa: E731
+        repo_id, name, revision=revision, cache_dir=hf_cache_dir(),
+        endpoint=os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")))
+    where = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    try:
+        _hub_optional(hub, get, "config.json")
+        weights_file = _hub_optional(hub, get, "model.safetensors")
+        if weights_file is not None:
+            return weights_file.parent
+        index = _hub_optional(hub, get, "model.safetensors.index.json")
+        if index is None:
+            raise FileNotFoundError(f"{repo_id}@{revision} has neither model.safetensors nor an index")
+        for shard in sorted(set(read_json(index)["weight_map"].values())):
+            get(shard)
+        return index.parent
+    except FileNotFoundError as e:
+        if isinstance(e, hub.errors.LocalEntryNotFoundError):  # the Hub could not be reached
+            raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {e}")) from e
+        raise
+    except (hub.errors.HfHubHTTPError, OSError) as e:
+        raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {e}")) from e
+
+
+def _hub_optional(hub, get, name: str) -> Path | None:
+    """get(name), or None when the repo has no such file (HTTP 404, which huggingface_hub may wrap)."""
+    try:
+        return get(name)
+    except (hub.errors.HfHubHTTPError, hub.errors.LocalEntryNotFoundError) as e:
+        if any(getattr(getattr(x, "response", None), "status_code", None) == 404 for x in (e, e.__cause__)):
+            return None
+        raise
+
+
+def _download_builtin(repo_id: str, revision: str, local: Path, progress: bool) -> Path:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    have = lambda name: (local / name).exists()  # noqa: E731
     local.mkdir(parents=True, exist_ok=True)
     url = f"{endpoint}/{repo_id}/resolve/{revision}/"
     try:
