@@ -552,7 +552,7 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
                 ".composite.jpg": lambda: vis(processing.to_pil(value["composite"]))}
     if task == "albedo":
         albedo = value if mask is None else value * mask
-        return {".albedo.png": lambda: vis(processing.to_pil(processing.float_to_uint8(albedo)))}
+        return {".albedo.png": lambda: vis(processing.to_pil(processing.albedo_to_uint8(albedo)))}
     if task == "features":
         about = {"image": item.relative, "height": str(image.shape[-2]), "width": str(image.shape[-1]),
                  "model": loaded.source}

@@ -150,7 +150,7 @@ def test_dense_outputs_have_documented_shapes_and_match_the_api(all_tasks_run, c
     np.testing.assert_allclose(pointmap, api("pointmap", checkpoints["pointmap"], path).permute(1, 2, 0).numpy(),
                                rtol=1e-4, atol=1e-5)
     albedo = read_png(out / f"{stem}.albedo.png")
-    expected = processing.float_to_uint8(api("albedo", checkpoints["albedo"], path)).permute(1, 2, 0).numpy()
+    expected = processing.albedo_to_uint8(api("albedo", checkpoints["albedo"], path)).permute(1, 2, 0).numpy()
     assert albedo.shape == (h, w, 3) and np.abs(albedo.astype(int) - expected).max() <= 1
     alpha, matte = read_png(out / f"{stem}.alpha.png"), api("matting", checkpoints["matting"], path)
     assert alpha.shape == (h, w) and alpha.dtype == np.uint8
