@@ -33,7 +33,7 @@ from torch import nn
 from metadata import flip_heatmaps_back, flip_pairs, segmentation_metadata
 from sapiens2 import ACTIVATIONS, Sapiens2, Sapiens2Config
 
-TASKS = ("pose", "seg", "normal", "pointmap", "albedo", "matting")
+TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo")  # seg first: predict.py's pose boxes and masks use it
 TRANSPOSED_CONV_TASKS = ("pose", "seg")
 CANONICAL_FOCAL = 768.0  # pointmaps are predicted for a camera with this focal length (network pixels)
 

@@ -43,7 +43,10 @@ import weights
 from metadata import keypoint_metadata
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
 
-TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo", "features")
+TASKS = (*heads.TASKS, "features")
+# --conventions: how the weights were trained (the original demos' OpenCV preprocessing, RoPE in bf16), or
+# exactly what HF transformers computes (its image processor, RoPE in fp32). Measured difference: README.
+CONVENTIONS = {"original": dict(resample="original", rope="bfloat16"), "transformers": dict(resample="hf", rope="float32")}
 KINDS = ("raw", "json", "vis")
 # What each task writes: file suffix -> the --save kinds that ask for it.
 ARTEFACTS = {
@@ -414,12 +417,13 @@ class Context:
     timings: dict[str, float] = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)
     done: int = 0
+    resample: str = "original"  # processing's resample= (from --conventions)
 
     def input_size(self, task: str) -> tuple[int, int]:
         return self.size or tuple(self.models[task].backbone.config.image_size)
 
     def prepare(self, task: str, images, pad: bool) -> processing.ModelInputs:
-        return processing.preprocess(images, self.input_size(task), pad=pad, device=self.device)
+        return processing.preprocess(images, self.input_size(task), pad=pad, resample=self.resample, device=self.device)
 
     def forward(self, task: str, pixel_values: torch.Tensor, method=None):
         """The task's model (or `method`, e.g. its flip test) on a batch, timed for the manifest."""
@@ -485,7 +489,7 @@ def run_pose(ctx: Context, images, boxes: list[list]) -> list[list[dict]]:
     """Top-down: crop each person box, heatmaps (with the flip test), decode to image pixels."""
     if not any(boxes):
         return [[] for _ in images]
-    inputs = processing.preprocess_crops(images, boxes, ctx.input_size("pose"), device=ctx.device)
+    inputs = processing.preprocess_crops(images, boxes, ctx.input_size("pose"), resample=ctx.resample, device=ctx.device)
     flip_test = ctx.models["pose"].model.flip_test
     heatmaps = [ctx.forward("pose", chunk, flip_test) if ctx.flip else ctx.forward("pose", chunk).heatmaps
                 for chunk in inputs.pixel_values.split(ctx.batch_size)]  # people, not images: a photo may hold many
@@ -806,8 +810,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-flip", dest="flip", action="store_false", help="pose: skip the flip test (2x faster)")
     parser.add_argument("--boxes", metavar="FILE",
                         help="pose: person boxes, JSON {\"image.jpg\": [[x, y, w, h], ...]}")
-    parser.add_argument("--rope", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="RoPE precision: bfloat16 as trained (default); float32 matches HF transformers")
+    parser.add_argument("--conventions", choices=list(CONVENTIONS), default="original",
+                        help="original: as the weights were trained (the original demos' OpenCV preprocessing, RoPE "
+                             "in bf16; default); transformers: exactly what HF transformers computes (its "
+                             "preprocessing, RoPE in fp32)")
     parser.add_argument("--mask-with-seg", action="store_true",
                         help="mask normal, pointmap and albedo outside the segmented people (NaN in .npy, black "
                              "in pictures)")
@@ -857,6 +863,7 @@ def random_banner(models: dict[str, LoadedModel]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.rope, args.resample = CONVENTIONS[args.conventions]["rope"], CONVENTIONS[args.conventions]["resample"]
     try:
         return run(args, argv if argv is not None else sys.argv[1:])
     except UsageError as error:
@@ -884,7 +891,7 @@ def run(args, argv: list[str]) -> int:
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
-                  args.mask_with_seg, boxes, names=output_names(items))
+                  args.mask_with_seg, boxes, names=output_names(items), resample=args.resample)
     mine = shard(items, rank, world)
     todo = [item for item in mine if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
@@ -915,7 +922,8 @@ def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
         "status": "running", "tasks": ctx.tasks,
         "models": {task: describe_model(m, dtype) for task, m in ctx.models.items()},
         "settings": {"device": str(ctx.device), "dtype": dtype, "batch_size": ctx.batch_size,
-                     "size": list(args.size) if args.size else None, "flip_test": args.flip, "rope": args.rope,
+                     "size": list(args.size) if args.size else None, "flip_test": args.flip,
+                     "conventions": args.conventions, "rope": args.rope, "resample": args.resample,
                      "mask_with_seg": args.mask_with_seg, "boxes": args.boxes, "save": sorted(args.save),
                      "skip_existing": args.skip_existing, "output": str(ctx.out)},
         "versions": versions(), "shard": shard_info,

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from heads import (OUT_CHANNELS, TASK_PRESETS, TRANSPOSED_CONV_TASKS, HeadConfig, Sapiens2ForTask, build_task_model,
+from heads import (OUT_CHANNELS, TASK_PRESETS, TASKS, TRANSPOSED_CONV_TASKS, HeadConfig, Sapiens2ForTask, build_task_model,
                    scale_branch_fits, scale_branch_grid, task_preset)
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16
 
@@ -93,7 +93,7 @@ PIXEL_SHUFFLE_HEAD_KEY_MAP = {  # normal, pointmap, matting (albedo's RMSNorm we
 }
 
 # Original task files name the 1x1 predictor after the task; ours is `predictor`.
-ORIGINAL_PREDICTOR = re.compile(r"^decode_head\.conv_(pose|seg|normal|pointmap|albedo|matting)\.")
+ORIGINAL_PREDICTOR = re.compile(rf"^decode_head\.conv_({'|'.join(TASKS)})\.")
 HF_TASK_CLASSES = {
     "Sapiens2ForPoseEstimation": "pose",
     "Sapiens2ForSemanticSegmentation": "seg",
