@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from metadata import flip_heatmaps_back, flip_pairs, segmentation_metadata
-from sapiens2 import Sapiens2, Sapiens2Config
+from sapiens2 import ACTIVATIONS, Sapiens2, Sapiens2Config
 
-TASKS = ("pose", "seg", "normal", "pointmap", "albedo", "matting")
+TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo")  # seg first: predict.py's pose boxes and masks use it
 TRANSPOSED_CONV_TASKS = ("pose", "seg")
 CANONICAL_FOCAL = 768.0  # pointmaps are predicted for a camera with this focal length (network pixels)
 
@@ -53,11 +53,16 @@ class HeadConfig:
     # convs; 1 for refinement convs of transposed-conv heads, 3 for pixel-shuffle heads).
     upsample_kernel_sizes: tuple[int, ...] | None = None
     conv_kernel_sizes: tuple[int, ...] | None = None
-    # Pointmap scale branch: stride-2 1x1 conv widths and MLP hidden widths (output: 1 per image).
+    # Pointmap scale branch: stride-2 conv widths (and kernel sizes, None = 1x1 as released), the MLP's
+    # hidden widths (output: 1 per image) and its input width (None = what the backbone config's
+    # image_size gives; a loaded checkpoint sets it from the weight, like transformers' scale_final_input_size).
     scale_conv_channels: tuple[int, ...] = ()
     scale_hidden: tuple[int, ...] = ()
-    # Pose heads trained on another keypoint set (train.py): its names and left/right pairs (None = the 308).
-    keypoint_names: tuple[str, ...] | None = None
+    scale_conv_kernel_sizes: tuple[int, ...] | None = None
+    scale_input_width: int | None = None
+    # Output names (transformers' id2label: class or keypoint names), when the checkpoint has them.
+    labels: tuple[str, ...] | None = None
+    # Pose: left/right keypoint pairs for the flip test (None = the 308-keypoint set's, from metadata).
     flip_pairs: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
@@ -67,12 +72,6 @@ class HeadConfig:
         self.conv_channels = tuple(self.conv_channels)
         self.scale_conv_channels = tuple(self.scale_conv_channels)
         self.scale_hidden = tuple(self.scale_hidden)
-        if self.keypoint_names is not None:
-            self.keypoint_names = tuple(self.keypoint_names)
-            if len(self.keypoint_names) != self.out_channels:
-                raise ValueError(f"{len(self.keypoint_names)} keypoint names for {self.out_channels} outputs")
-        if self.flip_pairs is not None:
-            self.flip_pairs = tuple(tuple(int(i) for i in pair) for pair in self.flip_pairs)
         transposed = self.task in TRANSPOSED_CONV_TASKS
         if self.upsample_kernel_sizes is None:
             self.upsample_kernel_sizes = (4 if transposed else 3,) * len(self.upsample_channels)
@@ -86,17 +85,25 @@ class HeadConfig:
             raise ValueError("conv_kernel_sizes needs one entry per conv layer")
         if bool(self.scale_conv_channels) != (self.task == "pointmap"):
             raise ValueError("the scale branch (scale_conv_channels) belongs to pointmap heads only")
+        self.scale_conv_kernel_sizes = tuple(self.scale_conv_kernel_sizes or (1,) * len(self.scale_conv_channels))
+        if len(self.scale_conv_kernel_sizes) != len(self.scale_conv_channels):
+            raise ValueError("scale_conv_kernel_sizes needs one entry per scale conv layer")
+        if self.task == "matting" and self.out_channels != 4:
+            raise ValueError(f"a matting head predicts 3 foreground channels + alpha (4), not {self.out_channels}")
+        if self.labels is not None:
+            self.labels = tuple(self.labels)
+            if len(self.labels) != self.out_channels:
+                raise ValueError(f"{len(self.labels)} label names for {self.out_channels} output channels")
+        if self.flip_pairs is not None:
+            self.flip_pairs = tuple(tuple(int(i) for i in pair) for pair in self.flip_pairs)
 
     @property
     def transposed(self) -> bool:
         return self.task in TRANSPOSED_CONV_TASKS
 
     def to_dict(self) -> dict:
-        d = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        for key in ("keypoint_names", "flip_pairs"):  # written only when set: older readers load the rest
-            if d[key] is None:
-                del d[key]
-        return d
+        as_list = lambda v: [as_list(x) for x in v] if isinstance(v, (tuple, list)) else v  # noqa: E731
+        return {k: as_list(v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadConfig":
@@ -125,6 +132,16 @@ HEAD_TABLE = {
     "matting": {"1b": _STANDARD},
 }
 POINTMAP_SCALE = dict(scale_conv_channels=(1536, 512, 128), scale_hidden=(512, 128))
+
+
+def scale_branch_grid(feature_size: tuple[int, int], kernel_sizes) -> tuple[int, int]:
+    """The (h, w) the pointmap scale branch's stride-2 convs (padding (k - 1) // 2) leave of a feature map:
+    the one place this geometry is computed (the head, the loader and the size check use it)."""
+    h, w = feature_size
+    for k in kernel_sizes:
+        pad = (k - 1) // 2
+        h, w = (h + 2 * pad - k) // 2 + 1, (w + 2 * pad - k) // 2 + 1
+    return h, w
 
 
 def head_preset(task: str, size: str) -> HeadConfig:
@@ -249,41 +266,85 @@ class PixelShuffleHead(nn.Module):
         return run_in_order([*self.input_conv, *upsample, *self.conv_layers, self.predictor], features)
 
 
+class _Activation(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ACTIVATIONS[self.name](x)
+
+
 class PointmapHead(PixelShuffleHead):
     """The pixel-shuffle head plus the scale branch, which reads the backbone features directly."""
 
-    def __init__(self, config: HeadConfig, in_channels: int, feature_size: tuple[int, int]):
+    def __init__(self, config: HeadConfig, in_channels: int, patch_size: int, activation: str = "silu"):
         super().__init__(config, in_channels)
+        self.head_config = config
+        if config.scale_input_width is None:
+            raise ValueError("a pointmap head needs scale_input_width (Sapiens2ForTask fills it in)")
         layers, c = [], in_channels
-        self.feature_size = tuple(feature_size)
-        h, w = feature_size
-        for c_out in config.scale_conv_channels:
-            layers += conv_norm_act(config.task, c, c_out, 1, stride=2)
-            c, h, w = c_out, (h - 1) // 2 + 1, (w - 1) // 2 + 1
+        for c_out, k in zip(config.scale_conv_channels, config.scale_conv_kernel_sizes):
+            layers += conv_norm_act(config.task, c, c_out, k, stride=2)
+            c = c_out
         self.scale_conv_layers = nn.Sequential(*layers)  # scale_conv_layers.{3j}.{weight,bias}
-        # NOTE: the MLP's input width fixes the feature-map size, so the scale branch only works at the
-        # size the head was built for (64x48 features for 1024x768 input: 128 * 8 * 6 = 6144).
-        mlp, width = [nn.Flatten()], c * h * w
+        self.patch_size = patch_size
+        # NOTE: the MLP's input width fixes the feature-map size, so the scale branch only works at input
+        # sizes that give that many features (64x48 features for 1024x768 input: 128 * 8 * 6 = 6144).
+        # The activation is the backbone's hidden_act, as in transformers (SiLU in the original).
+        mlp, width = [nn.Flatten()], config.scale_input_width
         for hidden in config.scale_hidden:
-            mlp += [nn.Linear(width, hidden), nn.SiLU()]
+            mlp += [nn.Linear(width, hidden), nn.SiLU() if activation == "silu" else _Activation(activation)]
             width = hidden
         self.scale_final_layer = nn.Sequential(*mlp, nn.Linear(width, 1))  # Linear layers at 1, 3, 5
 
     def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if tuple(features.shape[-2:]) != self.feature_size:
-            h, w = self.feature_size
-            raise ValueError(
-                f"the pointmap scale branch was built for a {h}x{w} feature map (config.image_size), got "
-                f"{tuple(features.shape[-2:])}: run the pointmap model at the image size it was built for"
-            )
+        self.check_feature_size(tuple(features.shape[-2:]))
         return super().forward(features), run_in_order([*self.scale_conv_layers, *self.scale_final_layer], features)
 
+    def check_feature_size(self, feature_size: tuple[int, int]):
+        config = self.head_config
+        h, w = scale_branch_grid(feature_size, config.scale_conv_kernel_sizes)
+        channels = config.scale_conv_channels[-1]
+        if channels * h * w == config.scale_input_width:
+            return
+        p, n = self.patch_size, len(config.scale_conv_channels)
+        span = lambda r: f"{r[0] * p}" if len(r) == 1 else f"{r[0] * p}-{r[-1] * p}"  # noqa: E731
+        fits = " or ".join(f"{span(hs)} x {span(ws)}" for hs, ws in scale_branch_fits(config)) or "none"
+        raise ValueError(
+            f"a {feature_size[0] * p}x{feature_size[1] * p} input does not fit the pointmap scale branch: its MLP takes "
+            f"{config.scale_input_width} inputs, this size gives {channels} x {h} x {w} = {channels * h * w} after the "
+            f"{n} stride-2 convs. Input sizes that fit (H x W, multiples of {p}): {fits}"
+        )
 
-def build_head(config: HeadConfig, in_channels: int, feature_size: tuple[int, int]) -> nn.Module:
+
+def scale_branch_fits(config: HeadConfig, limit: int | None = 6) -> list[tuple[range, range]]:
+    """The feature-map heights and widths (ranges, in patches) that the scale branch turns into exactly
+    scale_input_width inputs: one (heights, widths) pair per grid it can end at, squarest grid first."""
+    channels = config.scale_conv_channels[-1]
+    if config.scale_input_width % channels:
+        return []
+    cells = config.scale_input_width // channels
+    grids = sorted(((a, cells // a) for a in range(1, cells + 1) if cells % a == 0), key=lambda g: abs(g[0] - g[1]))
+    fits = []
+    for grid in grids[:limit]:
+        ranges = [_lengths_reduced_to(n, config.scale_conv_kernel_sizes) for n in grid]
+        if all(ranges):
+            fits.append(tuple(ranges))
+    return fits
+
+
+def _lengths_reduced_to(target: int, kernel_sizes, search: int = 4096) -> range | None:
+    """The feature lengths the scale convs reduce to `target` (a contiguous run: the map is monotone)."""
+    found = [n for n in range(1, search) if scale_branch_grid((n, n), kernel_sizes)[0] == target]
+    return range(found[0], found[-1] + 1) if found else None
+
+
+def build_head(config: HeadConfig, in_channels: int, patch_size: int = 16, activation: str = "silu") -> nn.Module:
     if config.transposed:
         return TransposedConvHead(config, in_channels)
     if config.task == "pointmap":
-        return PointmapHead(config, in_channels, feature_size)
+        return PointmapHead(config, in_channels, patch_size, activation)
     return PixelShuffleHead(config, in_channels)
 
 
@@ -339,10 +400,18 @@ class Sapiens2ForTask(nn.Module):
         super().__init__()
         if self.task and head_config.task != self.task:
             raise ValueError(f"{type(self).__name__} needs a {self.task} head, got a {head_config.task} head")
+        if head_config.task == "pointmap" and head_config.scale_input_width is None:
+            grid = tuple(s // config.size_multiple for s in config.image_size)
+            h, w = scale_branch_grid(grid, head_config.scale_conv_kernel_sizes)
+            head_config = replace(head_config, scale_input_width=head_config.scale_conv_channels[-1] * h * w)
         self.config, self.head_config = config, head_config
         self.backbone = Sapiens2(config)
-        grid = tuple(s // config.size_multiple for s in config.image_size)
-        self.decode_head = build_head(head_config, config.embed_dim, grid)
+        self.decode_head = build_head(head_config, config.embed_dim, config.size_multiple, config.hidden_act)
+
+    @property
+    def labels(self) -> tuple[str, ...] | None:
+        """The output names the checkpoint came with (transformers' id2label), if any."""
+        return self.head_config.labels
 
     def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.backbone(pixel_values).features  # (B, C, H/16, W/16), after the final norm
@@ -384,12 +453,21 @@ class Sapiens2ForPose(Sapiens2ForTask):
             loss = keypoint_mse_loss(heatmaps, labels, label_weights)
         return PoseOutput(heatmaps, loss)
 
+    def flip_pairs(self, device=None) -> torch.Tensor:
+        """The left/right keypoint pairs: the checkpoint's (transformers' flip_pairs), else the 308 set's."""
+        if self.head_config.flip_pairs is not None:
+            return torch.tensor(self.head_config.flip_pairs, dtype=torch.long, device=device).view(-1, 2)
+        if self.head_config.out_channels != OUT_CHANNELS["pose"]:
+            raise ValueError(
+                f"the flip test needs the left/right pairs of this model's {self.head_config.out_channels} "
+                "keypoints: set head_config.flip_pairs (transformers' config.json field flip_pairs)"
+            )
+        return flip_pairs(device)
+
     def flip_test(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The original's test-time augmentation: mean of the heatmaps of the image and of its mirror."""
         plain = self(pixel_values).heatmaps
-        pairs = self.head_config.flip_pairs
-        pairs = flip_pairs(plain.device) if pairs is None else torch.tensor(pairs, dtype=torch.long).view(-1, 2)
-        mirrored = self(pixel_values.flip(-1), flip_pairs=pairs).heatmaps
+        mirrored = self(pixel_values.flip(-1), flip_pairs=self.flip_pairs(plain.device)).heatmaps
         return (plain + mirrored) / 2
 
 

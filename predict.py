@@ -54,7 +54,10 @@ import weights
 from metadata import keypoint_metadata
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
 
-TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo", "features")
+TASKS = (*heads.TASKS, "features")
+# --conventions: how the weights were trained (the original demos' OpenCV preprocessing, RoPE in bf16), or
+# exactly what HF transformers computes (its image processor, RoPE in fp32). Measured difference: README.
+CONVENTIONS = {"original": dict(resample="original", rope="bfloat16"), "transformers": dict(resample="hf", rope="float32")}
 KINDS = ("raw", "json", "vis", "openpose", "coco", "ply", "depth16")
 DEFAULT_KINDS = ("raw", "json", "vis")  # the others are other tools' formats (formats.py), written when asked
 # What each task writes: file suffix -> the --save kinds that ask for it.
@@ -529,12 +532,13 @@ class Context:
     def warn(self, message: str):
         self.warnings.append(message)
         (self.note or (lambda text: print(text, file=sys.stderr)))(f"warning: {message}")
+    resample: str = "original"  # processing's resample= (from --conventions)
 
     def input_size(self, task: str) -> tuple[int, int]:
         return self.size or tuple(self.models[task].backbone.config.image_size)
 
     def prepare(self, task: str, images, pad: bool) -> processing.ModelInputs:
-        return processing.preprocess(images, self.input_size(task), pad=pad, device=self.device)
+        return processing.preprocess(images, self.input_size(task), pad=pad, resample=self.resample, device=self.device)
 
     def forward(self, task: str, pixel_values: torch.Tensor, method=None):
         """The task's model (or `method`, e.g. its flip test) on a batch, timed for the manifest."""
@@ -605,7 +609,8 @@ def run_pose(ctx: Context, images, boxes: list[list]) -> list[list[dict]]:
         people = run_pose(ctx, [images[i] for i in with_people], [boxes[i] for i in with_people])
         found = dict(zip(with_people, people))
         return [found.get(i, []) for i in range(len(images))]
-    inputs = processing.preprocess_crops(images, boxes, ctx.input_size("pose"), device=ctx.device)
+    inputs = processing.preprocess_crops(images, boxes, ctx.input_size("pose"), resample=ctx.resample,
+                                         device=ctx.device)
     flip_test = ctx.models["pose"].model.flip_test
     heatmaps = [ctx.forward("pose", chunk, flip_test) if ctx.flip else ctx.forward("pose", chunk).heatmaps
                 for chunk in inputs.pixel_values.split(ctx.batch_size)]  # people, not images: a photo may hold many
@@ -721,7 +726,7 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
         return {".seg.png": lambda: Image.fromarray(value.to(torch.uint8).numpy()),
                 ".seg_overlay.jpg": lambda: vis(processing.overlay_segmentation(image, value))}
     if task == "pose":
-        names = loaded.model.head_config.keypoint_names  # a keypoint set of your own (train.py), else the 308
+        names = loaded.model.head_config.labels  # a keypoint set of your own (train.py, id2label), else the 308
         return {".pose.json": lambda: pose_json(item, image, value, names),
                 ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"])),
                 "_keypoints.json": lambda: formats.openpose_json(value["people"])}
@@ -738,7 +743,7 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
                 ".composite.jpg": lambda: vis(processing.to_pil(value["composite"]))}
     if task == "albedo":
         albedo = value if mask is None else value * mask
-        return {".albedo.png": lambda: vis(processing.to_pil(processing.float_to_uint8(albedo)))}
+        return {".albedo.png": lambda: vis(processing.to_pil(processing.albedo_to_uint8(albedo)))}
     if task == "features":
         about = {"image": item.relative, "height": str(image.shape[-2]), "width": str(image.shape[-1]),
                  "model": loaded.source}
@@ -1221,8 +1226,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pose: person boxes from this D-FINE detector (hub id, folder or file; default "
                              "%(default)s), 'seg' for the segmentation's blobs, 'none' for the whole image; "
                              "--boxes wins")
-    parser.add_argument("--rope", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="RoPE precision: bfloat16 as trained (default); float32 matches HF transformers")
+    parser.add_argument("--conventions", choices=list(CONVENTIONS), default="original",
+                        help="original: as the weights were trained (the original demos' OpenCV preprocessing, RoPE "
+                             "in bf16; default); transformers: exactly what HF transformers computes (its "
+                             "preprocessing, RoPE in fp32)")
     parser.add_argument("--mask-with-seg", action="store_true",
                         help="mask normal, pointmap and albedo outside the segmented people (NaN in .npy, black "
                              "in pictures)")
@@ -1300,6 +1307,7 @@ def random_banner(models: dict[str, LoadedModel]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.rope, args.resample = CONVENTIONS[args.conventions]["rope"], CONVENTIONS[args.conventions]["resample"]
     try:
         return run(args, argv if argv is not None else sys.argv[1:])
     except UsageError as error:
@@ -1337,7 +1345,7 @@ def run(args, argv: list[str]) -> int:
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
                   args.mask_with_seg, boxes, names=names, warnings=warnings, detector=detector,
                   seg_boxes=detector is None and args.detector != "none",
-                  coco=formats.CocoResults(args.coco_format) if coco else None)
+                  coco=formats.CocoResults(args.coco_format) if coco else None, resample=args.resample)
     mine = shard(items, rank, world)
     clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
     if args.skip_existing and (removed := remove_stale_temporaries(out)):
@@ -1491,7 +1499,8 @@ def new_manifest(args, argv: list[str], ctx: Context, shard_info: dict) -> dict:
         "status": "running", "tasks": ctx.tasks,
         "models": {task: describe_model(m, dtype) for task, m in ctx.models.items()},
         "settings": {"device": str(ctx.device), "dtype": dtype, "batch_size": ctx.batch_size,
-                     "size": list(args.size) if args.size else None, "flip_test": args.flip, "rope": args.rope,
+                     "size": list(args.size) if args.size else None, "flip_test": args.flip,
+                     "conventions": args.conventions, "rope": args.rope, "resample": args.resample,
                      "mask_with_seg": args.mask_with_seg, "boxes": args.boxes,
                      "detector": None if args.boxes or "pose" not in ctx.tasks else args.detector,
                      "save": sorted(args.save),

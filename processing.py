@@ -12,8 +12,10 @@ Which reference each behaviour follows (see shared spec/checkpoints.md section e
 - `resample="hf"` (default): transformers 5.23 `Sapiens2ImageProcessor`, which resizes with torchvision's
   antialiased bilinear filter and crops people with `grid_sample`. Matched numerically (tests/test_processing.py).
 - `resample="original"`: the demo scripts' OpenCV resampling (INTER_AREA / INTER_CUBIC / INTER_LINEAR, uint8
-  warps). OpenCV cannot run here, so these are torch approximations: same kernels and pixel-centre geometry,
-  but not OpenCV's fixed-point arithmetic (expect +-1 grey level on some pixels).
+  warps), what the released weights were trained with. OpenCV is not a dependency: these are float versions of
+  OpenCV's kernels and coefficients, computed the same on CPU and GPU; they differ from OpenCV's fixed-point
+  arithmetic by at most 1 grey level (tests/test_processing.py checks against opencv-python; pose crops against
+  an exact float warp with the original's matrix, since OpenCV snaps warp coordinates to 1/32 pixel).
 - Where HF is silent (flip-back of heatmaps, pointmap pre-smoothing, renormalising normals after the resize,
   visualization), the original demos are followed and the docstring says so.
 
@@ -34,9 +36,10 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
 from metadata import flip_heatmaps_back, keypoint_metadata, segmentation_metadata  # noqa: F401 (re-exported)
+from sapiens2 import Sapiens2Config  # (only its defaults: the input and patch size live there)
 
-MODEL_SIZE = (1024, 768)  # (height, width) the released checkpoints were trained at
-PATCH_SIZE = 16
+MODEL_SIZE = Sapiens2Config.image_size  # (height, width) the released checkpoints were trained at
+PATCH_SIZE = Sapiens2Config.patch_size
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_PADDING = 1.25  # box enlargement of the top-down pose pipeline (PoseGetBBoxCenterScale)
@@ -175,8 +178,9 @@ def resize(images: torch.Tensor, size: tuple[int, int], method: str = "bilinear_
     - "bilinear_antialias": torchvision's `resize(antialias=True)`, HF's resampling. Reproduces its dtype rules:
       uint8 goes through torch's native uint8 kernel on CPUs where torchvision uses it, else float + round.
     - "bilinear": cv2.INTER_LINEAR (no antialiasing), "bicubic": cv2.INTER_CUBIC (a = -0.75, replicated border),
-      "area": cv2.INTER_AREA for downscaling (exact pixel-overlap averaging), "nearest": floor mapping like
-      cv2.INTER_NEAREST. These follow OpenCV's geometry in float; OpenCV's fixed-point rounding is not reproduced.
+      "area": cv2.INTER_AREA (exact pixel-overlap averaging when both sides shrink; when one grows, OpenCV's
+      two-tap "area mode" linear weights on both axes), "nearest": floor mapping like cv2.INTER_NEAREST.
+      These compute OpenCV's coefficients in float (uint8 results rounded once): within 1 grey level of OpenCV.
     """
     height, width = size
     if tuple(images.shape[-2:]) == (height, width):
@@ -185,6 +189,8 @@ def resize(images: torch.Tensor, size: tuple[int, int], method: str = "bilinear_
     batch = images.reshape(-1, *shape[-3:])
     if method == "area" and (height <= shape[-2] and width <= shape[-1]):
         out = _resize_area(batch, size)
+    elif method == "area":
+        out = _resize_area_mode_linear(batch, size)
     else:
         mode = {"bilinear_antialias": "bilinear", "area": "bilinear"}.get(method, method)
         if mode not in ("bilinear", "bicubic", "nearest"):
@@ -195,8 +201,10 @@ def resize(images: torch.Tensor, size: tuple[int, int], method: str = "bilinear_
 
 
 def _interpolate_keep_dtype(images, size, mode, antialias):
+    # torch's CPU uint8 kernels round and saturate between the two passes (bicubic: up to 24 grey levels from
+    # OpenCV, and CPU != CUDA): only HF's antialiased bilinear takes them, as torchvision does.
     native_uint8 = images.dtype == torch.uint8 and (mode == "nearest" or (
-        images.device.type == "cpu" and _cpu_has_native_uint8_kernel(mode)))
+        antialias and images.device.type == "cpu" and _cpu_has_native_uint8_kernel(mode)))
     align = None if mode == "nearest" else False
     if native_uint8 or images.is_floating_point():
         return F.interpolate(images, size=size, mode=mode, align_corners=align, antialias=antialias)
@@ -208,9 +216,7 @@ def _interpolate_keep_dtype(images, size, mode, antialias):
 
 def _cpu_has_native_uint8_kernel(mode: str) -> bool:
     # Mirrors torchvision 0.29 `_do_native_uint8_resize_on_cpu`: torch's uint8 kernel (fixed-point, rounds
-    # differently from float + round) is used for bilinear only on AVX2/AVX512/ARM CPUs, and always for bicubic.
-    if mode == "bicubic":
-        return True
+    # differently from float + round) is used for bilinear only on AVX2/AVX512/ARM CPUs.
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
 
 
@@ -220,6 +226,33 @@ def _resize_area(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     cols = _area_weights(images.shape[-1], size[1], images.device)  # (out_w, in_w)
     out = torch.einsum("oh,bchw,pw->bcop", rows, images.float(), cols)
     return out.round_().clamp_(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else out
+
+
+def _resize_area_mode_linear(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """cv2.INTER_AREA when a side grows: OpenCV's linear resize with its "area mode" two-tap weights, on both
+    axes (sx = floor(d * scale), weight of sx + 1 = frac((d + 1) - (sx + 1) / scale) or 0)."""
+    out = images.float()
+    for axis, (in_size, out_size) in ((-2, (images.shape[-2], size[0])), (-1, (images.shape[-1], size[1]))):
+        first, weight = _area_mode_taps(in_size, out_size, images.device)
+        second = (first + 1).clamp(max=in_size - 1)
+        shape = [1] * out.dim()
+        shape[axis] = out_size
+        weight = weight.view(shape)
+        out = out.index_select(axis, first) * (1 - weight) + out.index_select(axis, second) * weight
+    return out.round_().clamp_(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else out
+
+
+def _area_mode_taps(in_size: int, out_size: int, device):
+    """OpenCV resize.cpp, area_mode branch: first tap and the second tap's weight per output pixel."""
+    inv_scale = out_size / in_size
+    d = torch.arange(out_size, dtype=torch.float64)
+    first = torch.floor(d * (1.0 / inv_scale))
+    frac = ((d + 1) - (first + 1) * inv_scale).float()
+    weight = torch.where(frac <= 0, torch.zeros_like(frac), frac - torch.floor(frac))
+    at_edge = first >= in_size - 1  # OpenCV: past the last pixel, replicate it with weight 0
+    weight[at_edge] = 0
+    first = first.clamp(0, in_size - 1).long()
+    return first.to(device), weight.to(device)
 
 
 def _area_weights(in_size: int, out_size: int, device) -> torch.Tensor:
@@ -504,7 +537,7 @@ def preprocess_segmentation_maps(maps, size: tuple[int, int] = MODEL_SIZE, pad: 
             raise ValueError(f"segmentation map must be (H, W), got shape {tuple(labels.shape)}")
         if reduce_labels:
             labels = _reduce_labels(labels)
-        labels = labels if labels.dtype == torch.uint8 else labels.float()  # interpolate has no int64 kernels
+        # integer maps stay integer: resize rounds them as torchvision does (float maps are truncated below, as HF)
         if pad:
             top, left, bottom, right = resized_content_box(tuple(labels.shape), size)
             labels = resize(labels[None], (bottom - top, right - left), method)[0]
@@ -644,6 +677,11 @@ def _matting_backgrounds(background, count, device):
     # uint8 -> [0, 1] as torchvision's to_dtype(scale=True): x * (1 / 255)
     images = [image.to(device).float() * (1.0 / 255) for image in images]
     return images * count if len(images) == 1 else images
+
+
+def albedo_to_uint8(albedo: torch.Tensor) -> torch.Tensor:
+    """Albedo in [0, 1] -> uint8 as the original demo writes it: `(albedo * 255).astype(np.uint8)` (truncated)."""
+    return albedo.clamp(0, 1).float().mul(255).to(torch.uint8)
 
 
 def float_to_uint8(values: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,34 @@ import kernels
 
 ROPE_DTYPES = ("bfloat16", "float32")
 
+# The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
+# them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
+# pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
+# and the 4K tokenizer's blocks always use SiLU (as the original and transformers do).
+_tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
+    "gelu_new": _tanh_gelu,
+    "gelu_python_tanh": _tanh_gelu,
+    "gelu_accurate": _tanh_gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),
+    "relu6": F.relu6,
+    "leaky_relu": F.leaky_relu,
+    "mish": lambda x: x * torch.tanh(F.softplus(x)),
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "hardswish": F.hardswish,
+    "linear": lambda x: x,
+}
+
 
 @dataclass
 class Sapiens2Config:
@@ -54,6 +82,7 @@ class Sapiens2Config:
     full_attention_last: int = 8
     kv_heads_per_layer: tuple[int, ...] | None = None
     ffn_dim: int | None = None  # SwiGLU hidden width F, default 4C
+    hidden_act: str = "silu"  # the SwiGLU gate's activation (transformers' `hidden_act`; see ACTIVATIONS)
     patch_size: int = 16
     in_channels: int = 3
     num_register_tokens: int = 8
@@ -73,6 +102,7 @@ class Sapiens2Config:
     use_tokenizer: bool = False
     tokenizer_window: int = 4
     tokenizer_layers: int = 2
+    tokenizer_ffn_dim: int | None = None  # the tokenizer blocks' SwiGLU width: 4C in the original, whatever ffn_dim is
     # Masked-image pretraining: a learned token that replaces masked patches
     use_mask_token: bool = False
     # Stochastic depth, rising linearly from 0 at the first block to drop_path_rate at the last
@@ -91,6 +121,11 @@ class Sapiens2Config:
         for heads in self.layer_kv_heads:
             if heads < 1 or self.num_heads % heads:
                 raise ValueError(f"kv heads {heads} must divide num_heads {self.num_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported; use one of {', '.join(ACTIVATIONS)} "
+                "(activations with learned parameters, such as prelu and xielu, are not)"
+            )
         if self.rope_dtype not in ROPE_DTYPES:
             raise ValueError(f"rope_dtype must be one of {sorted(ROPE_DTYPES)}, got {self.rope_dtype!r}")
 
@@ -102,6 +137,10 @@ class Sapiens2Config:
     @property
     def hidden_dim(self) -> int:
         return self.ffn_dim or 4 * self.embed_dim
+
+    @property
+    def tokenizer_hidden_dim(self) -> int:
+        return self.tokenizer_ffn_dim or 4 * self.embed_dim
 
     @property
     def layer_kv_heads(self) -> tuple[int, ...]:
@@ -326,21 +365,25 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w3(silu(a) * b) with [a | b] = w12(x): the first half of w12's outputs is the gate (SiLU) branch."""
+    """w3(act(a) * b) with [a | b] = w12(x): the first half of w12's outputs is the gate branch.
+    act is SiLU in every released model (`hidden_act` names another one, as transformers allows)."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, act: str = "silu"):
         super().__init__()
         self.w12 = nn.Linear(dim, 2 * hidden_dim)
         self.w3 = nn.Linear(hidden_dim, dim)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w12(x).chunk(2, dim=-1)  # (B, N, F) each, views of one (B, N, 2F) tensor
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             # (torch.compile fuses silu * up into one kernel anyway; in place would only make it copy)
-            return self.w3(F.silu(gate) * up)
+            return self.w3(ACTIVATIONS[self.act](gate) * up)
         # Eager inference: the same ops in place in w12's output, so the block's peak stays at the 2F it
         # already holds (out of place adds silu's F and the product's F: the largest activations of the model).
-        return self.w3(F.silu(gate, inplace=True).mul_(up))
+        if self.act in ("silu", "swish"):
+            return self.w3(F.silu(gate, inplace=True).mul_(up))
+        return self.w3(ACTIVATIONS[self.act](gate).mul_(up))
 
 
 class DropPath(nn.Module):
@@ -368,7 +411,8 @@ class Block(nn.Module):
         layer_scale = config.layer_scale_init if main else None
         self.attn = Attention(C, config.num_heads, num_kv_heads, main, config.norm_eps, layer_scale)
         self.ln2 = RMSNorm(C, config.norm_eps)
-        self.ffn = SwiGLU(C, config.hidden_dim)
+        # The tokenizer's blocks have their own FFN width (4C in the original) and always SiLU.
+        self.ffn = SwiGLU(C, config.hidden_dim, config.hidden_act) if main else SwiGLU(C, config.tokenizer_hidden_dim)
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:

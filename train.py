@@ -249,7 +249,7 @@ def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
                f"the pointmap scale branch is tied to the image size {backbone.config.image_size}")
         why = f"new {args.task} head with {K} outputs: {why}"
     if args.task == "pose":  # the keypoint set travels with the model (predict.py's flip test and pose.json)
-        head_config = replace(head_config, keypoint_names=info["keypoint_names"], flip_pairs=info["flip_pairs"])
+        head_config = replace(head_config, labels=info["keypoint_names"], flip_pairs=info["flip_pairs"])
     torch.manual_seed(args.seed)  # the same new head on every process
     model = heads.build_task_model(config, head_config)
     model.backbone.load_state_dict(backbone.state_dict())

@@ -22,19 +22,22 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import sys
 import urllib.error
 import urllib.request
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from heads import OUT_CHANNELS, TASK_PRESETS, HeadConfig, Sapiens2ForTask, build_task_model, task_preset
+from heads import (OUT_CHANNELS, TASK_PRESETS, TASKS, TRANSPOSED_CONV_TASKS, HeadConfig, Sapiens2ForTask, build_task_model,
+                   scale_branch_fits, scale_branch_grid, task_preset)
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16
 
 # ----------------------------------------------------------------------------------------------------
@@ -91,7 +94,7 @@ PIXEL_SHUFFLE_HEAD_KEY_MAP = {  # normal, pointmap, matting (albedo's RMSNorm we
 }
 
 # Original task files name the 1x1 predictor after the task; ours is `predictor`.
-ORIGINAL_PREDICTOR = re.compile(r"^decode_head\.conv_(pose|seg|normal|pointmap|albedo|matting)\.")
+ORIGINAL_PREDICTOR = re.compile(rf"^decode_head\.conv_({'|'.join(TASKS)})\.")
 HF_TASK_CLASSES = {
     "Sapiens2ForPoseEstimation": "pose",
     "Sapiens2ForSemanticSegmentation": "seg",
@@ -187,7 +190,10 @@ def head_to_hf(state: dict[str, torch.Tensor], transposed: bool) -> dict[str, to
 
 
 def head_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    transposed = "decode_head.input_conv.convolution.weight" not in state
+    """HF-native head names -> ours; keys already under our names pass through. (transformers' own
+    save_pretrained renames only the layers its conversion table lists, so a head deeper than the released
+    ones comes out with both kinds: `deconv_layers.{0,3}` next to `upsample_layers.{2,3}.convolution`.)"""
+    transposed = not any(k.startswith("decode_head.input_conv.") for k in state)
     return {_rename(k, _HEAD_FROM_HF[transposed]) or k: v for k, v in state.items()}
 
 
@@ -225,7 +231,7 @@ def read_safetensors(path: str | Path, dtype: torch.dtype | None = None) -> tupl
 
 def read_checkpoint_dir(directory: Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(tensors, config.json contents or {}, safetensors metadata) of a checkpoint directory."""
-    config = _read_json(directory / "config.json") if (directory / "config.json").exists() else {}
+    config = read_json(directory / "config.json") if (directory / "config.json").exists() else {}
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
     if single.exists():
@@ -279,10 +285,10 @@ def split_checkpoint(tensors: dict[str, torch.Tensor]) -> tuple[str, dict, dict,
             backbone[key] = tensor  # reported as unexpected by the strict load
     task = None
     if fmt.startswith("hf"):
-        backbone, head = backbone_from_hf(backbone), head_from_hf(head)
+        backbone = backbone_from_hf(backbone)
     else:
         head, task = head_from_original(head)
-    return fmt, backbone, head, task
+    return fmt, backbone, head_from_hf(head), task
 
 
 def config_from_shapes(state: dict[str, torch.Tensor]) -> Sapiens2Config:
@@ -308,11 +314,19 @@ def config_from_shapes(state: dict[str, torch.Tensor]) -> Sapiens2Config:
     if "tokenizer.local_pos_embed" in state:
         window = round((state["tokenizer.local_pos_embed"].shape[1] - 1) ** 0.5)
         layers = 1 + max(int(m[1]) for k in state if (m := re.match(r"^tokenizer\.blocks\.(\d+)\.", k)))
-        cfg.update(use_tokenizer=True, tokenizer_window=window, tokenizer_layers=layers, image_size=(4096, 3072))
+        cfg.update(use_tokenizer=True, tokenizer_window=window, tokenizer_layers=layers, image_size=(4096, 3072),
+                   tokenizer_ffn_dim=state["tokenizer.blocks.0.ffn.w3.weight"].shape[1])
     return Sapiens2Config(**cfg)
 
 
-# HF config.json field <-> Sapiens2Config field
+# ----------------------------------------------------------------------------------------------------
+# transformers' config.json. Every field transformers 5.23 writes for Sapiens2 is in exactly one of these
+# tables (tests/test_weights.py checks that against transformers' own config): honoured (mapped onto our
+# configs), required to have the value our model implements (any other value is refused), or irrelevant
+# to the weights and to inference (the table says why). A field in none of them is named in a warning.
+# ----------------------------------------------------------------------------------------------------
+
+# Honoured: HF config.json field -> Sapiens2Config field
 HF_CONFIG_FIELDS = {
     "hidden_size": "embed_dim",
     "num_hidden_layers": "depth",
@@ -329,15 +343,49 @@ HF_CONFIG_FIELDS = {
     "pos_embed_shift": "rope_shift",
     "pos_embed_jitter": "rope_jitter",
     "pos_embed_rescale": "rope_rescale",
+    "hidden_act": "hidden_act",  # the SwiGLU gate and the pointmap scale MLP, as in transformers
+    "layerscale_value": "layer_scale_init",  # LayerScale's initial value (training from scratch)
+    "drop_path_rate": "drop_path_rate",  # training; NOTE: ours rises linearly over the blocks (the original's schedule), HF's is flat
 }
-# Our own fields that HF has no name for (the 4K tokenizer), written under these names.
-EXTRA_CONFIG_FIELDS = ("use_tokenizer", "tokenizer_window", "tokenizer_layers", "rope_dtype")
+# Honoured too: the GQA rule (when num_key_value_heads_per_layer is absent) and the head with its outputs.
+HF_GQA_RULE_FIELDS = ("num_key_value_attention_heads", "num_first_full_attention_layers", "num_last_full_attention_layers")
+HF_HEAD_FIELDS = ("architectures", "head_config", "id2label", "label2id", "num_labels", "flip_pairs")
+# Refused unless they have the value our model implements (every released model has these).
+HF_REQUIRED_VALUES = {"use_gated_mlp": True, "use_qk_norm": True, "query_bias": True, "key_bias": True,
+                      "value_bias": True, "proj_bias": True, "mlp_bias": True}
+_TRANSFORMERS_RUNTIME = "a transformers run-time option"
+_BACKBONE_OUTPUTS = "which blocks Sapiens2Backbone returns; here forward(layers=[...], normalize_layers=...)"
+HF_IRRELEVANT_FIELDS = {
+    "model_type": "checked to be sapiens2",
+    "transformers_version": "the version that wrote the file",
+    "dtype": "the dtype the file was saved in; load(dtype=...) chooses ours",
+    "torch_dtype": "the dtype the file was saved in; load(dtype=...) chooses ours",
+    "initializer_range": "random initialization only (a loaded model has no random weights)",
+    "out_features": _BACKBONE_OUTPUTS, "out_indices": _BACKBONE_OUTPUTS, "stage_names": _BACKBONE_OUTPUTS,
+    "_out_features": _BACKBONE_OUTPUTS, "_out_indices": _BACKBONE_OUTPUTS,
+    "reshape_hidden_states": _BACKBONE_OUTPUTS, "normalize_backbone_outputs": _BACKBONE_OUTPUTS,
+    "attention_dropout": "training only: our attention has no dropout (a nonzero value warns)",
+    "semantic_loss_ignore_index": "training only: heads.seg_cross_entropy(ignore_index=255) (another value warns)",
+    **{k: _TRANSFORMERS_RUNTIME for k in ("_name_or_path", "output_attentions", "output_hidden_states", "return_dict",
+                                          "problem_type", "chunk_size_feed_forward", "is_encoder_decoder")},
+}
+# head_config: honoured for every head, for pointmap heads only (transformers ignores them elsewhere, so
+# do we), or irrelevant.
+HF_HEAD_CONFIG_FIELDS = ("use_pixel_shuffle", "upsample_out_channels", "upsample_kernel_sizes", "upsample_kernel_size",
+                         "conv_out_channels", "conv_kernel_sizes", "conv_kernel_size")
+HF_SCALE_HEAD_FIELDS = ("scale_conv_out_channels", "scale_conv_kernel_sizes", "scale_conv_kernel_size",
+                        "scale_final_input_size", "scale_final_hidden_sizes")
+HF_HEAD_IRRELEVANT_FIELDS = ("model_type", "transformers_version", "dtype", "torch_dtype", "architectures", "id2label",
+                             "label2id", *(k for k, why in HF_IRRELEVANT_FIELDS.items() if why == _TRANSFORMERS_RUNTIME))
+# Our own fields that HF has no name for (the 4K tokenizer, the RoPE convention), written under these names.
+EXTRA_CONFIG_FIELDS = ("use_tokenizer", "tokenizer_window", "tokenizer_layers", "tokenizer_ffn_dim", "rope_dtype")
 
 
 def config_from_hf(hf: dict) -> Sapiens2Config:
     """Our config from an HF config.json (missing fields take HF's defaults where they differ from ours)."""
     if hf.get("model_type", "sapiens2") != "sapiens2":
         raise ValueError(f"config.json is for model_type {hf.get('model_type')!r}, not sapiens2")
+    _audit_hf_config(hf)
     cfg = {ours: hf[theirs] for theirs, ours in HF_CONFIG_FIELDS.items() if theirs in hf}
     if "kv_heads_per_layer" not in cfg and "num_hidden_layers" in hf:
         # HF's rule, with HF's defaults (8 first, 8 last, 8 kv heads)
@@ -349,12 +397,37 @@ def config_from_hf(hf: dict) -> Sapiens2Config:
     patch = cfg.get("patch_size")
     if isinstance(patch, (list, tuple)):  # HF allows (h, w) patches; ours are square
         if patch[0] != patch[1]:
-            raise ValueError(f"non-square patches {patch} are not supported")
+            raise ValueError(f"config.json: non-square patches {patch} are not supported")
         cfg["patch_size"] = patch[0]
     if isinstance(cfg.get("image_size"), int):
         cfg["image_size"] = (cfg["image_size"], cfg["image_size"])
+    if cfg.get("drop_path_rate") is not None:
+        cfg["drop_path_rate"] = float(cfg["drop_path_rate"])
     cfg.update({k: hf[k] for k in EXTRA_CONFIG_FIELDS if k in hf})
-    return Sapiens2Config(**cfg)
+    try:
+        return Sapiens2Config(**cfg)
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from e
+
+
+def _audit_hf_config(hf: dict):
+    """Refuse what our model cannot be, warn about what it ignores that would matter."""
+    refused = {k: hf[k] for k, want in HF_REQUIRED_VALUES.items() if k in hf and hf[k] != want}
+    if refused:
+        raise ValueError(
+            f"config.json asks for {refused}: this implementation has the released architecture only "
+            f"({', '.join(f'{k}={v}' for k, v in HF_REQUIRED_VALUES.items())})"
+        )
+    if hf.get("attention_dropout"):
+        warnings.warn(f"config.json: attention_dropout={hf['attention_dropout']} is not applied (no attention dropout here)")
+    if hf.get("semantic_loss_ignore_index", 255) != 255:
+        warnings.warn(f"config.json: semantic_loss_ignore_index={hf['semantic_loss_ignore_index']} is not applied; "
+                      "pass ignore_index= to heads.seg_cross_entropy")
+    known = {*HF_CONFIG_FIELDS, *HF_GQA_RULE_FIELDS, *HF_HEAD_FIELDS, *HF_REQUIRED_VALUES, *HF_IRRELEVANT_FIELDS,
+             *EXTRA_CONFIG_FIELDS, "sapiens2_head_config"}
+    unknown = sorted(set(hf) - known)
+    if unknown:
+        warnings.warn(f"config.json: fields not used by this implementation: {unknown}")
 
 
 def config_to_hf(config: Sapiens2Config, architecture: str = "Sapiens2Model") -> dict:
@@ -364,7 +437,7 @@ def config_to_hf(config: Sapiens2Config, architecture: str = "Sapiens2Model") ->
     hf.update({theirs: d[ours] for theirs, ours in HF_CONFIG_FIELDS.items()})
     hf["intermediate_size"] = config.hidden_dim
     hf["num_key_value_heads_per_layer"] = list(config.layer_kv_heads)
-    hf.update(use_gated_mlp=True, use_qk_norm=True, hidden_act="silu", layerscale_value=config.layer_scale_init)
+    hf.update(HF_REQUIRED_VALUES)
     hf.update({k: d[k] for k in EXTRA_CONFIG_FIELDS})
     return hf
 
@@ -373,7 +446,7 @@ HF_TASK_CLASS_OF = {task: cls for cls, task in HF_TASK_CLASSES.items()}
 
 
 def head_config_to_hf(head: HeadConfig) -> dict:
-    """The HF config.json fields of a head (architectures, num_labels, head_config)."""
+    """The HF config.json fields of a head (architectures, num_labels, id2label, flip_pairs, head_config)."""
     if head.task not in HF_TASK_CLASS_OF:
         raise ValueError(f"HF transformers has no {head.task} model")
     if head.task == "pointmap" and len(head.scale_hidden) != 2:
@@ -387,28 +460,69 @@ def head_config_to_hf(head: HeadConfig) -> dict:
     }
     if head.task == "pointmap":
         hf_head.update(scale_conv_out_channels=list(head.scale_conv_channels),
-                       scale_conv_kernel_sizes=[1] * len(head.scale_conv_channels),
-                       scale_final_hidden_sizes=list(head.scale_hidden))
-    return {"architectures": [HF_TASK_CLASS_OF[head.task]], "num_labels": head.out_channels, "head_config": hf_head}
+                       scale_conv_kernel_sizes=list(head.scale_conv_kernel_sizes),
+                       scale_final_hidden_sizes=list(head.scale_hidden),
+                       scale_final_input_size=head.scale_input_width)
+    hf = {"architectures": [HF_TASK_CLASS_OF[head.task]], "num_labels": head.out_channels, "head_config": hf_head}
+    if head.labels is not None:
+        hf["id2label"] = {str(i): name for i, name in enumerate(head.labels)}
+        hf["label2id"] = {name: i for i, name in enumerate(head.labels)}
+    if head.flip_pairs is not None:
+        hf["flip_pairs"] = [list(pair) for pair in head.flip_pairs]
+    return hf
 
 
-def head_config_from_hf(hf: dict) -> HeadConfig | None:
+def head_config_from_hf(hf: dict, predictor_rows: int | None = None) -> HeadConfig | None:
+    """Our head config from an HF config.json. The output count comes from id2label (what transformers
+    writes), else num_labels, else the predictor's weight (`predictor_rows`), and must agree with it."""
     if "sapiens2_head_config" in hf:  # a head HF cannot express (albedo), saved by `save`
         return HeadConfig.from_dict(hf["sapiens2_head_config"])
     task = _hf_task(hf)
     head = hf.get("head_config")
     if task is None or not head:
         return None
+    if bool(head.get("use_pixel_shuffle")) == (task in TRANSPOSED_CONV_TASKS):
+        kind = "pixel-shuffle" if head.get("use_pixel_shuffle") else "transposed-conv"
+        raise ValueError(f"config.json: a {kind} head for {task} is not an architecture this implementation has")
+    unknown = sorted(set(head) - {*HF_HEAD_CONFIG_FIELDS, *HF_SCALE_HEAD_FIELDS, *HF_HEAD_IRRELEVANT_FIELDS})
+    if unknown:
+        warnings.warn(f"config.json: head_config fields not used by this implementation: {unknown}")
+    upsample, conv = head.get("upsample_out_channels") or (), head.get("conv_out_channels") or ()
+    scale = {}
+    if task == "pointmap":  # transformers reads the scale fields for pointmap heads only; so do we
+        scale_convs = head.get("scale_conv_out_channels") or ()
+        scale = dict(scale_conv_channels=scale_convs, scale_hidden=head.get("scale_final_hidden_sizes") or (),
+                     scale_conv_kernel_sizes=_hf_kernel_sizes(head, "scale_conv", len(scale_convs), 1),
+                     scale_input_width=head.get("scale_final_input_size"))
+    labels = _hf_label_names(hf)
+    count, said = (len(labels), "id2label") if labels is not None else (hf.get("num_labels"), "num_labels")
+    if count is None:
+        count, said = predictor_rows, None
+    elif predictor_rows is not None and count != predictor_rows:
+        raise ValueError(f"config.json: {said} gives {count} outputs, but the predictor weight has {predictor_rows}")
+    generic = labels is not None and all(name == f"LABEL_{i}" for i, name in enumerate(labels))
     return HeadConfig(
-        task,
-        head.get("upsample_out_channels") or (),
-        head.get("conv_out_channels") or (),
-        hf.get("num_labels", OUT_CHANNELS[task]),
-        upsample_kernel_sizes=head.get("upsample_kernel_sizes"),
-        conv_kernel_sizes=head.get("conv_kernel_sizes"),
-        scale_conv_channels=head.get("scale_conv_out_channels") or (),
-        scale_hidden=head.get("scale_final_hidden_sizes") or (),
+        task, upsample, conv, count,
+        upsample_kernel_sizes=_hf_kernel_sizes(head, "upsample", len(upsample), 4),
+        conv_kernel_sizes=_hf_kernel_sizes(head, "conv", len(conv), 1),
+        labels=None if generic else labels, flip_pairs=hf.get("flip_pairs") if task == "pose" else None, **scale,
     )
+
+
+def _hf_kernel_sizes(head: dict, kind: str, count: int, default: int) -> list[int]:
+    """transformers' rule: the `<kind>_kernel_sizes` list, else `<kind>_kernel_size` (default) per layer."""
+    return head.get(f"{kind}_kernel_sizes") or [head.get(f"{kind}_kernel_size") or default] * count
+
+
+def _hf_label_names(hf: dict) -> list[str] | None:
+    """The output names of id2label, in index order (transformers writes id2label, not num_labels)."""
+    id2label = hf.get("id2label")
+    if not id2label:
+        return None
+    ids = sorted(int(i) for i in id2label)
+    if ids != list(range(len(ids))):
+        raise ValueError(f"config.json: id2label must number the outputs 0..{len(ids) - 1}, got ids {ids[:10]}...")
+    return [id2label[str(i)] if str(i) in id2label else id2label[i] for i in ids]
 
 
 def _indexed(state: dict, template: str) -> list[torch.Tensor]:
@@ -441,10 +555,12 @@ def head_config_from_shapes(state: dict[str, torch.Tensor], task: str | None) ->
         has_norm_weights = any(k.endswith(".norm.weight") for k in state)
         task = ("pointmap" if scale_convs else "albedo" if has_norm_weights
                 else "matting" if out_channels == OUT_CHANNELS["matting"] else "normal")
+    scale = {}
+    if scale_convs:
+        scale = dict(scale_conv_channels=[w.shape[0] for w in scale_convs], scale_hidden=[w.shape[0] for w in linears[:-1]],
+                     scale_conv_kernel_sizes=[w.shape[-1] for w in scale_convs], scale_input_width=linears[0].shape[1])
     return HeadConfig(task, [w.shape[0] // 4 for w in ups], out_channels=out_channels,
-                      upsample_kernel_sizes=[w.shape[-1] for w in ups],
-                      scale_conv_channels=[w.shape[0] for w in scale_convs],
-                      scale_hidden=[w.shape[0] for w in linears[:-1]], **conv)
+                      upsample_kernel_sizes=[w.shape[-1] for w in ups], **scale, **conv)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -519,12 +635,15 @@ def _check_rope_periods(periods: torch.Tensor | None, config: Sapiens2Config, so
 
 
 # ----------------------------------------------------------------------------------------------------
-# Hub download (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE are honoured)
+# The Hub: the Hugging Face cache first (where transformers users already have the weights), then a
+# download, with huggingface_hub when it is installed (its cache, auth, resume), else with the built-in
+# downloader into ~/.cache/sapiens2. HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, HF_HOME, HF_HUB_CACHE are honoured.
 # ----------------------------------------------------------------------------------------------------
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Released checkpoints by preset name: pretrain by size ("0.4b"), task models as "seg-0.4b" (albedo: none released).
-HUB_IDS = {name: f"facebook/sapiens2-pretrain-{name}" for name in ("0.1b", "0.4b", "0.8b", "1b", "5b")}
+# Released checkpoints by preset name: pretrain by size ("0.4b"; the 4K variant has no Hub repo: HF cannot
+# represent its tokenizer), task models as "seg-0.4b" (albedo: none released).
+HUB_IDS = {name: f"facebook/sapiens2-pretrain-{name}" for name, c in PRESETS.items() if not c.use_tokenizer}
 HUB_IDS.update({name: f"facebook/sapiens2-{name}" for name in TASK_PRESETS if not name.startswith("albedo")})
 
 
@@ -567,17 +686,86 @@ def _fetch(url: str, target: Path, progress: bool = True) -> bool:
 
 
 def download(repo_id: str, revision: str = "main", progress: bool = True) -> Path:
-    """A local directory holding repo_id's config.json and weights, downloading what is not cached."""
+    """A local directory holding repo_id's config.json and weights: a complete copy in our cache or the
+    Hugging Face cache, else downloaded (huggingface_hub when installed, else the built-in downloader)."""
     local = cache_dir() / repo_id.replace("/", "--") / revision
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    have = lambda name: (local / name).exists()  # noqa: E731
-    if have("model.safetensors") or have("model.safetensors.index.json"):
-        index = local / "model.safetensors.index.json"
-        shards = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else set()
-        if all(have(s) for s in shards):
-            return local
+    for found in (local, hf_cache_snapshot(repo_id, revision)):
+        if found is not None and _complete(found):
+            return found
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         raise FileNotFoundError(_how_to_get(repo_id, revision, local, "HF_HUB_OFFLINE is set"))
+    try:
+        import huggingface_hub
+        import huggingface_hub.errors
+    except ImportError:  # optional: the built-in downloader does the same, without auth helpers or xet
+        return _download_builtin(repo_id, revision, local, progress)
+    return _download_with_hub(huggingface_hub, repo_id, revision)
+
+
+def _complete(directory: Path) -> bool:
+    """model.safetensors, or an index and every shard it lists."""
+    index = directory / "model.safetensors.index.json"
+    if (directory / "model.safetensors").exists():
+        return True
+    return index.exists() and all((directory / s).exists() for s in _shard_names(index))
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, by huggingface_hub's rules (read from the environment at call time)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The snapshot directory of repo_id@revision in the Hugging Face cache, if there is one
+    (models--<owner>--<name>/snapshots/<commit>, the commit read from refs/<revision>)."""
+    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = repo / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
+
+
+def _download_with_hub(hub, repo_id: str, revision: str) -> Path:
+    """Download into the Hugging Face cache with huggingface_hub; the snapshot directory."""
+    get = lambda name: Path(hub.hf_hub_download(  # noqa: E731
+        repo_id, name, revision=revision, cache_dir=hf_cache_dir(),
+        endpoint=os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")))
+    where = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    try:
+        _hub_optional(hub, get, "config.json")
+        weights_file = _hub_optional(hub, get, "model.safetensors")
+        if weights_file is not None:
+            return weights_file.parent
+        index = _hub_optional(hub, get, "model.safetensors.index.json")
+        if index is None:
+            raise FileNotFoundError(f"{repo_id}@{revision} has neither model.safetensors nor an index")
+        for shard in _shard_names(index):  # a malformed index is reported by the loader, naming it
+            get(shard)
+        return index.parent
+    except FileNotFoundError as e:
+        if isinstance(e, hub.errors.LocalEntryNotFoundError):  # the Hub could not be reached
+            raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {e}")) from e
+        raise
+    except (hub.errors.HfHubHTTPError, OSError) as e:
+        raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {e}")) from e
+
+
+def _hub_optional(hub, get, name: str) -> Path | None:
+    """get(name), or None when the repo has no such file (HTTP 404, which huggingface_hub may wrap)."""
+    try:
+        return get(name)
+    except (hub.errors.HfHubHTTPError, hub.errors.LocalEntryNotFoundError) as e:
+        if any(getattr(getattr(x, "response", None), "status_code", None) == 404 for x in (e, e.__cause__)):
+            return None
+        raise
+
+
+def _download_builtin(repo_id: str, revision: str, local: Path, progress: bool) -> Path:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    have = lambda name: (local / name).exists()  # noqa: E731
     local.mkdir(parents=True, exist_ok=True)
     url = f"{endpoint}/{repo_id}/resolve/{revision}/"
     try:
@@ -585,8 +773,7 @@ def download(repo_id: str, revision: str = "main", progress: bool = True) -> Pat
         if not _fetch(url + "model.safetensors", local / "model.safetensors", progress):
             if not _fetch(url + "model.safetensors.index.json", local / "model.safetensors.index.json", False):
                 raise FileNotFoundError(f"{repo_id}@{revision} has neither model.safetensors nor an index at {url}")
-            index = json.loads((local / "model.safetensors.index.json").read_text())
-            for shard in sorted(set(index["weight_map"].values())):
+            for shard in _shard_names(local / "model.safetensors.index.json"):
                 if not have(shard) and not _fetch(url + shard, local / shard, progress):
                     raise FileNotFoundError(f"{repo_id}: shard {shard} listed in the index is missing at {url}")
     except FileNotFoundError:
@@ -612,7 +799,7 @@ def resolve(source: str | os.PathLike, dtype: torch.dtype | None = None) -> tupl
     if path.is_file():
         tensors, meta = read_safetensors(path, dtype)
         sidecar = path.with_name("config.json")
-        config = _read_json(sidecar) if sidecar.exists() and path.name == "model.safetensors" else {}
+        config = read_json(sidecar) if sidecar.exists() and path.name == "model.safetensors" else {}
         return tensors, config, meta, str(path)
     name = str(source)
     if name in HUB_IDS:
@@ -628,8 +815,9 @@ def resolve(source: str | os.PathLike, dtype: torch.dtype | None = None) -> tupl
 # ----------------------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object from a checkpoint's config.json or index, with an error naming the file."""
+def read_json(path: Path) -> dict:
+    """A JSON object from a checkpoint's config.json or index (the one place they are read), with an error
+    naming the file."""
     try:
         value = json.loads(Path(path).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -639,9 +827,15 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index lists (none if it is malformed: _read_weight_map then says what is wrong)."""
+    weight_map = read_json(index).get("weight_map")
+    return sorted({v for v in weight_map.values() if isinstance(v, str)}) if isinstance(weight_map, dict) else []
+
+
 def _read_weight_map(index: Path) -> dict[str, str]:
     """The index's tensor name -> shard file map; every shard a plain file name present beside the index."""
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f'{index}: no "weight_map" object mapping tensor names to shard files')
     shards = sorted(set(weight_map.values()))
@@ -750,8 +944,10 @@ def load(source, dtype=torch.float32, device="cpu", task: str | None = None, pre
 
 def _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides):
     """(backbone config, head config or None): a preset if given, else our metadata, else config.json,
-    else inferred from the shapes."""
+    else inferred from the shapes. Output count and scale-MLP width are checked against the weights."""
     head_config = None
+    predictor = head.get("decode_head.predictor.weight")
+    rows = predictor.shape[0] if predictor is not None else None
     if preset is not None:
         size, head_config = _preset(preset)
         config = Sapiens2Config.from_preset(size)
@@ -759,40 +955,54 @@ def _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides)
         wanted = head_config.task if head_config else "pretrain"
         if bool(head) != (head_config is not None) or (head and found not in ("task", wanted)):
             raise ValueError(f"the checkpoint is a {found} checkpoint, but preset {preset} is a {wanted} model")
+        source = f"preset {preset}"
     elif "sapiens2_config" in meta:  # written by `save`: exact
         config = Sapiens2Config.from_dict(json.loads(meta["sapiens2_config"]))
         if "sapiens2_head_config" in meta:
             head_config = HeadConfig.from_dict(json.loads(meta["sapiens2_head_config"]))
+        source = "the file's metadata"
     elif hf_config:
-        config, head_config = config_from_hf(hf_config), head_config_from_hf(hf_config)
+        config, head_config = config_from_hf(hf_config), head_config_from_hf(hf_config, rows)
+        source = "config.json"
     else:
         config = config_from_shapes(backbone)
     if head and head_config is None and preset is None:
-        head_config = head_config_from_shapes(head, named_task or _hf_task(hf_config))
+        head_config, source = head_config_from_shapes(head, named_task or _hf_task(hf_config)), "the tensors"
+    if head_config is not None and rows is not None and head_config.out_channels != rows:
+        raise ValueError(f"{source} gives the {head_config.task} head {head_config.out_channels} outputs, "
+                         f"but the predictor weight has {rows}")
     try:
         config = Sapiens2Config.from_dict({**config.to_dict(), **overrides})
     except TypeError as e:
         raise ValueError(f"bad override: {e}") from e
     if head_config is not None and head_config.task == "pointmap" and head:
-        _check_scale_input(head, head_config, config)
+        head_config, config = _fit_scale_branch(head, head_config, config, source, "image_size" in overrides)
     return config, head_config
 
 
-def _check_scale_input(head, head_config: HeadConfig, config: Sapiens2Config):
-    """The scale MLP's input width fixes the image size; say so instead of a bare shape mismatch."""
+def _fit_scale_branch(head, head_config: HeadConfig, config: Sapiens2Config, source: str, size_given: bool):
+    """The scale MLP's input width is in its first weight: take it from there (a config that says
+    otherwise is an error). When the backbone's image_size does not give that width and nobody set it,
+    use the size that does with the aspect closest to image_size's (the run-time check names the rest)."""
     first = head.get("decode_head.scale_final_layer.1.weight")
     if first is None:
-        return
-    h, w = (s // config.size_multiple for s in config.image_size)
-    for _ in head_config.scale_conv_channels:
-        h, w = (h - 1) // 2 + 1, (w - 1) // 2 + 1
-    expected = head_config.scale_conv_channels[-1] * h * w
-    if first.shape[1] != expected:
-        raise ValueError(
-            f"the pointmap scale MLP takes {first.shape[1]} inputs, but image_size {config.image_size} gives "
-            f"{head_config.scale_conv_channels[-1]} x {h} x {w} = {expected}: pass the image size the head "
-            f"was trained at, e.g. load(..., image_size=(H, W))"
-        )
+        return head_config, config
+    width = first.shape[1]
+    if head_config.scale_input_width not in (None, width):
+        raise ValueError(f"{source} gives the pointmap scale MLP {head_config.scale_input_width} inputs, "
+                         f"but its weight has {width}")
+    head_config = replace(head_config, scale_input_width=width)
+    grid = tuple(s // config.size_multiple for s in config.image_size)
+    h, w = scale_branch_grid(grid, head_config.scale_conv_kernel_sizes)
+    if size_given or head_config.scale_conv_channels[-1] * h * w == width:
+        return head_config, config
+    m = config.size_multiple
+    sizes = [(hs[-1] * m, ws[-1] * m) for hs, ws in scale_branch_fits(head_config, limit=None)]
+    if not sizes:
+        raise ValueError(f"the pointmap scale MLP takes {width} inputs: no input size gives that many")
+    aspect = config.image_size[0] / config.image_size[1]
+    best = min(sizes, key=lambda hw: abs(math.log(hw[0] / hw[1] / aspect)))
+    return head_config, replace(config, image_size=best)
 
 
 def _hf_task(hf_config: dict) -> str | None:

@@ -109,9 +109,22 @@ def test_instance_norm_matches_torch_in_either_layout(inplace, layout):
     assert rel_err(leaf.grad, ref_leaf.grad) < 1e-5
 
 
-def test_pointmap_fixture_needs_its_image_size(fixtures_dir):
-    with pytest.raises(ValueError, match=r"scale MLP takes 16 inputs.*image_size"):
-        weights.load(fixtures_dir / "public_pointmap.safetensors")
+def test_pointmap_file_of_another_size_loads_and_checks_the_size_when_run(fixtures_dir):
+    """The original's bare pointmap file was trained at 192x128: its scale MLP takes 16 inputs (8 channels x a
+    2x1 grid). It loads without being told the size (the width is in the weight), runs at any size that
+    gives that grid with the original's numbers, and any other size is refused with the sizes that fit."""
+    io = load_file(fixtures_dir / "public_pointmap.io.safetensors")
+    model = weights.load(fixtures_dir / "public_pointmap.safetensors", rope_dtype="float32")
+    assert model.head_config.scale_input_width == 16
+    assert model.config.image_size == (256, 128)  # the largest size of the grid closest to 1024x768's aspect
+    with torch.no_grad():
+        pointmaps, scales = run_task(model, io["pixel_values"])  # 192x128
+        assert rel_err(pointmaps, io["pointmap.rope_fp32"]) < TOL and rel_err(scales, io["scale.rope_fp32"]) < TOL
+        with pytest.raises(ValueError, match=r"a 1024x768 input does not fit the pointmap scale branch: its MLP takes "
+                                             r"16 inputs, this size gives 8 x 8 x 6 = 384 after the 3 stride-2 convs\. "
+                                             r"Input sizes that fit \(H x W, multiples of 16\): 16-128 x 144-256 or "
+                                             r"144-256 x 16-128"):
+            model(torch.randn(1, 3, 1024, 768))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -380,7 +393,8 @@ def test_pointmap_loss_needs_scales_or_intrinsics_and_right_size():
     model = tiny_task_model("pointmap", (256, 192))
     with pytest.raises(ValueError, match="needs the ground-truth scales or the intrinsics"):
         model(torch.randn(1, 3, 256, 192), labels=torch.rand(1, 3, 256, 192))
-    with pytest.raises(ValueError, match=r"scale branch was built for a 16x12 feature map.*got \(8, 6\)"):
+    with pytest.raises(ValueError, match=r"a 128x96 input does not fit the pointmap scale branch: its MLP takes 16 "
+                                         r"inputs, this size gives 4 x 1 x 1 = 4 .* fit .*: 144-256 x 144-256 or "):
         model(torch.randn(1, 3, 128, 96))
 
 

@@ -95,33 +95,34 @@ def all_tasks_run(checkpoints, images, tmp_path_factory):
 # ----------------------------------------------------------------------------------------------------
 # What the Python API gives (the README snippets), to compare the files against
 # ----------------------------------------------------------------------------------------------------
-def api(task, checkpoint, path, boxes=None):
-    model = weights.load(checkpoint, task=None if task == "features" else task)
+def api(task, checkpoint, path, boxes=None, resample="original", rope_dtype="bfloat16"):
+    """resample/rope_dtype: predict.py's default --conventions original (transformers: \"hf\", \"float32\")."""
+    model = weights.load(checkpoint, task=None if task == "features" else task, rope_dtype=rope_dtype)
     size = tuple(model.config.image_size)
     image = processing.load_image(path)
     with torch.no_grad():
         if task == "seg":
-            inputs = processing.preprocess([image], size)
+            inputs = processing.preprocess([image], size, resample=resample)
             return processing.postprocess_segmentation(model(inputs.pixel_values).logits, inputs)[0]
         if task == "normal":
-            inputs = processing.preprocess([image], size, pad=True)
+            inputs = processing.preprocess([image], size, pad=True, resample=resample)
             return processing.postprocess_normals(model(inputs.pixel_values).normals, inputs)[0]
         if task == "pointmap":
-            inputs = processing.preprocess([image], size, pad=True)
+            inputs = processing.preprocess([image], size, pad=True, resample=resample)
             out = model(inputs.pixel_values)
             return processing.postprocess_pointmap(out.pointmaps, out.scales, inputs, smooth=True)[0]["pointmap"]
         if task == "albedo":
-            inputs = processing.preprocess([image], size, pad=True)
+            inputs = processing.preprocess([image], size, pad=True, resample=resample)
             return processing.postprocess_albedo(model(inputs.pixel_values).albedo, inputs)[0]
         if task == "matting":
-            inputs = processing.preprocess([image], size)
+            inputs = processing.preprocess([image], size, resample=resample)
             out = model(inputs.pixel_values)
             return processing.postprocess_matting(out.foregrounds, out.alphas, target_sizes=inputs.image_sizes,
                                                   background=(255, 255, 255))[0]
         if task == "features":
-            return model(processing.preprocess([image], size).pixel_values)
+            return model(processing.preprocess([image], size, resample=resample).pixel_values)
         if task == "pose":
-            inputs = processing.preprocess_crops([image], [boxes], size)
+            inputs = processing.preprocess_crops([image], [boxes], size, resample=resample)
             # one person per forward, as the CLI with its CPU batch size of 1: on random heatmaps the DARK
             # Newton step amplifies the last-bit differences that another batch size gives
             heatmaps = torch.cat([model.flip_test(crop[None]) for crop in inputs.pixel_values])
@@ -150,7 +151,7 @@ def test_dense_outputs_have_documented_shapes_and_match_the_api(all_tasks_run, c
     np.testing.assert_allclose(pointmap, api("pointmap", checkpoints["pointmap"], path).permute(1, 2, 0).numpy(),
                                rtol=1e-4, atol=1e-5)
     albedo = read_png(out / f"{stem}.albedo.png")
-    expected = processing.float_to_uint8(api("albedo", checkpoints["albedo"], path)).permute(1, 2, 0).numpy()
+    expected = processing.albedo_to_uint8(api("albedo", checkpoints["albedo"], path)).permute(1, 2, 0).numpy()
     assert albedo.shape == (h, w, 3) and np.abs(albedo.astype(int) - expected).max() <= 1
     alpha, matte = read_png(out / f"{stem}.alpha.png"), api("matting", checkpoints["matting"], path)
     assert alpha.shape == (h, w) and alpha.dtype == np.uint8
@@ -232,6 +233,22 @@ def test_no_flip_and_dtype(checkpoints, images, tmp_path, capsys):
     manifest = json.loads((tmp_path / "run.json").read_text())
     assert manifest["settings"]["flip_test"] is False and manifest["models"]["pose"]["dtype"] == "bfloat16"
     assert len(json.loads((tmp_path / "a.pose.json").read_text())["people"][0]["keypoints"]) == 308
+
+
+@pytest.mark.parametrize("conventions,resample,rope", [("original", "original", "bfloat16"),
+                                                       ("transformers", "hf", "float32")])
+def test_conventions(conventions, resample, rope, checkpoints, images, tmp_path, capsys):
+    """--conventions original (the default): OpenCV preprocessing + bf16 RoPE, as the weights were trained;
+    transformers: HF's preprocessing + fp32 RoPE. Each equals the API with those settings, not the other's."""
+    extra = [] if conventions == "original" else ["--conventions", conventions]
+    run_cli("normal", images / "a.jpg", "-o", tmp_path, *extra, *model_args(checkpoints, ["normal"]), capsys=capsys)
+    settings = json.loads((tmp_path / "run.json").read_text())["settings"]
+    assert (settings["conventions"], settings["resample"], settings["rope"]) == (conventions, resample, rope)
+    normals = torch.from_numpy(np.load(tmp_path / "a.normal.npy")).permute(2, 0, 1)
+    same = api("normal", checkpoints["normal"], images / "a.jpg", resample=resample, rope_dtype=rope)
+    other = api("normal", checkpoints["normal"], images / "a.jpg", resample={"hf": "original"}.get(resample, "hf"),
+                rope_dtype={"float32": "bfloat16"}.get(rope, "float32"))
+    assert (normals - same).abs().max() < 1e-5 < (normals - other).abs().max()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -386,6 +386,126 @@ def test_albedo_is_clamped():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# resample="original" against OpenCV (the original demo's preprocessing): within 1 grey level everywhere
+# ----------------------------------------------------------------------------------------------------------------
+def _random_image(height, width, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+
+
+def _ours_hwc(image, size, method):
+    return P.resize(torch.from_numpy(image).permute(2, 0, 1).contiguous(), size, method).permute(1, 2, 0).numpy()
+
+
+@pytest.mark.parametrize("source,method,flag", [
+    ((480, 640), "bicubic", "INTER_CUBIC"),   # seg demo, width grows: torch's CPU uint8 bicubic was 32 levels off
+    ((720, 1280), "area", "INTER_AREA"),      # a video frame: width shrinks, height grows (was 51 levels off)
+    ((300, 1000), "area", "INTER_AREA"),      # (was 98 levels off)
+    ((1500, 1000), "area", "INTER_AREA"),     # both shrink: pixel-overlap averaging
+    ((700, 900), "bilinear", "INTER_LINEAR"),  # normal/pointmap/albedo demos
+])
+def test_original_resampling_matches_opencv(source, method, flag):
+    cv2 = pytest.importorskip("cv2")
+    image = _random_image(*source)  # noise: the worst case for rounding differences
+    expected = cv2.resize(image, (768, 1024), interpolation=getattr(cv2, flag))
+    diff = np.abs(_ours_hwc(image, (1024, 768), method).astype(int) - expected.astype(int))
+    assert diff.max() <= 1, f"{(diff > 1).sum()} pixels more than 1 grey level from OpenCV (max {diff.max()})"
+
+
+def test_original_preprocess_uses_the_demo_filters():
+    cv2 = pytest.importorskip("cv2")
+    for source, flag in (((480, 640), cv2.INTER_CUBIC), ((720, 1280), cv2.INTER_AREA)):  # decided on the width
+        image = _random_image(*source, seed=1)
+        ours = P.preprocess(image, resample="original").pixel_values
+        expected = P.normalize(torch.from_numpy(cv2.resize(image, (768, 1024), interpolation=flag)).permute(2, 0, 1))
+        assert max_abs(ours[0], expected) <= 1 / (255 * 0.224) + 1e-4  # one grey level after normalisation
+
+
+def test_original_resampling_agrees_on_cpu_and_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    image = torch.from_numpy(_random_image(480, 640)).permute(2, 0, 1).contiguous()
+    for method in ("bicubic", "area", "bilinear"):
+        assert torch.equal(P.resize(image, (1024, 768), method), P.resize(image.cuda(), (1024, 768), method).cpu())
+
+
+def _udp_warp_matrix(center, scale, output_size):
+    """The original's get_udp_warp_matrix (rotation 0), float32 like the original."""
+    warp = np.zeros((2, 3), dtype=np.float32)
+    scale_x, scale_y = (output_size[0] - 1) / scale[0], (output_size[1] - 1) / scale[1]
+    warp[0, 0], warp[0, 2] = scale_x, scale_x * (-center[0] + 0.5 * scale[0])
+    warp[1, 1], warp[1, 2] = scale_y, scale_y * (-center[1] + 0.5 * scale[1])
+    return warp
+
+
+def _exact_warp(image, warp, size, cubic):
+    """cv2.warpAffine's math in float64 without its 1/32-pixel snapping: inverse map, 4x4 cubic (a = -0.75)
+    or 2x2 linear taps, taps outside the image count as 0 (BORDER_CONSTANT), then rounded to uint8."""
+    inverse = _invert_affine(warp)
+    height, width = size
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float64)
+    src_x = inverse[0, 0] * xs + inverse[0, 1] * ys + inverse[0, 2]
+    src_y = inverse[1, 0] * xs + inverse[1, 1] * ys + inverse[1, 2]
+
+    def taps(coord):
+        base = np.floor(coord)
+        t = coord - base
+        if not cubic:
+            return [base, base + 1], [1 - t, t]
+        a = -0.75
+        def w(d):
+            d = np.abs(d)
+            return np.where(d <= 1, (a + 2) * d**3 - (a + 3) * d**2 + 1, np.where(d < 2, a * d**3 - 5 * a * d**2 + 8 * a * d - 4 * a, 0))
+        return [base + k for k in (-1, 0, 1, 2)], [w(t - k) for k in (-1, 0, 1, 2)]
+
+    (col_idx, col_w), (row_idx, row_w) = taps(src_x), taps(src_y)
+    out = np.zeros((height, width, image.shape[2]))
+    for r, wr in zip(row_idx, row_w):
+        for c, wc in zip(col_idx, col_w):
+            inside = (r >= 0) & (r < image.shape[0]) & (c >= 0) & (c < image.shape[1])
+            values = image[np.clip(r, 0, image.shape[0] - 1).astype(int), np.clip(c, 0, image.shape[1] - 1).astype(int)]
+            out += (wr * wc * inside)[..., None] * values
+    return np.clip(np.round(out), 0, 255)
+
+
+def _invert_affine(warp):
+    """What cv2.warpAffine does with the matrix first (invertAffineTransform, in double)."""
+    m = warp.astype(np.float64)
+    inverse = np.linalg.inv(np.vstack([m, [0, 0, 1]]))
+    return inverse[:2]
+
+
+@pytest.mark.parametrize("box", [[10.0, 12.0, 8.0, 12.0], [0.0, 0.0, 80.0, 100.0], [30.5, -5.0, 40.0, 30.0]],
+                         ids=["upscaled-cubic", "downscaled-linear", "partly-outside"])
+def test_original_crops_match_an_exact_warp_with_the_original_matrix(box):
+    image = _random_image(100, 80)
+    size = (64, 48)
+    center, crop = P.crop_geometry(torch.tensor([box]), size)
+    warp = _udp_warp_matrix(center[0].double().numpy(), crop[0].double().numpy(), (size[1], size[0]))
+    cubic = min(np.linalg.norm(warp[0, :2]), np.linalg.norm(warp[1, :2])) >= 1.0  # INTER_AREA acts as LINEAR
+    expected = _exact_warp(image.astype(np.float64), warp, size, cubic)
+    ours = P.crop_people(P.load_image(image), [box], size, resample="original")[0].permute(1, 2, 0).numpy()
+    assert np.abs(ours - expected).max() <= 1
+
+
+def test_integer_label_maps_round_like_torchvision():
+    """torchvision resizes integer tensors in float and rounds the result (`_cast_squeeze_out`); HF resizes
+    label maps with it. uint8 maps keep their own path (tests above, HF fixtures)."""
+    labels = torch.randint(0, 29, (16, 32), generator=torch.Generator().manual_seed(0))  # int64
+    ours = P.preprocess_segmentation_maps(labels, (32, 16), resample="hf")[0]
+    interpolated = torch.nn.functional.interpolate(labels[None, None].float(), size=(32, 16), mode="bilinear",
+                                                   align_corners=False, antialias=True)[0, 0]
+    assert torch.equal(ours, interpolated.round().long())
+    assert not torch.equal(ours, interpolated.long())  # truncation would differ on many pixels
+
+
+def test_albedo_8_bit_as_the_original_demo_writes_it():
+    albedo = torch.rand(1, 3, 40, 30, generator=torch.Generator().manual_seed(0)) * 1.2 - 0.1
+    result = P.postprocess_albedo(albedo)[0]
+    expected = (result.permute(1, 2, 0).numpy() * 255).astype(np.uint8)  # vis_albedo.py
+    assert np.array_equal(P.albedo_to_uint8(result).permute(1, 2, 0).numpy(), expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Inputs: types, colour modes, orientation, bad files
 # ----------------------------------------------------------------------------------------------------------------
 def test_input_types_agree():

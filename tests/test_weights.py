@@ -7,9 +7,11 @@ check is detected.
 """
 
 import functools
+import hashlib
 import http.server
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -279,12 +281,17 @@ def test_unusual_rope_periods_warn(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Hub download, against a local stand-in server (never the network)
+# Hub download, against a local stand-in server (never the network); the Hugging Face cache as a fake
+# directory tree. Each test runs with huggingface_hub (downloads into the HF cache) and without it (the
+# built-in downloader, into SAPIENS2_CACHE).
 # ----------------------------------------------------------------------------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class HubStandIn:
-    """Serves ROOT/<owner>/<name>/resolve/<revision>/<file> on 127.0.0.1, counting requests."""
+    """Serves ROOT/<owner>/<name>/resolve/<revision>/<file> on 127.0.0.1, counting requests. HEAD answers
+    with the headers huggingface_hub needs (X-Repo-Commit, ETag); GET honours Range for resuming."""
 
     def __init__(self, root: Path):
         self.requests = []
@@ -294,12 +301,28 @@ class HubStandIn:
             def __init__(self, *a, **kw):
                 super().__init__(*a, directory=str(root), **kw)
 
+            def do_HEAD(self):
+                outer.requests.append(self.path)
+                path = Path(self.translate_path(self.path))
+                if not path.is_file():
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")  # what the Hub says for a missing file
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = path.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.end_headers()
+
             def do_GET(self):
                 outer.requests.append(self.path)
                 range_header = self.headers.get("Range")
                 path = Path(self.translate_path(self.path))
                 if range_header and path.is_file():  # enough of RFC 7233 for resuming
-                    start = int(range_header.split("=")[1].rstrip("-"))
+                    start = int(range_header.split("=")[1].split("-")[0])
                     data = path.read_bytes()[start:]
                     self.send_response(206)
                     self.send_header("Content-Length", str(len(data)))
@@ -320,12 +343,24 @@ class HubStandIn:
         self.server.server_close()
 
 
+@pytest.fixture(params=["huggingface_hub", "builtin"])
+def downloader(request, monkeypatch):
+    """Which downloader weights.download uses: huggingface_hub, or the built-in one (huggingface_hub made
+    unimportable, as on a machine without it)."""
+    if request.param == "builtin":
+        monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    else:
+        pytest.importorskip("huggingface_hub")
+    return request.param
+
+
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
+def hub(tmp_path, monkeypatch, downloader):
     root = tmp_path / "hub"
     server = HubStandIn(root)
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     yield root, server
     server.close()
@@ -337,23 +372,30 @@ def publish(root: Path, repo: str, model) -> Path:
     return directory
 
 
-def test_hub_download_caches(hub, tmp_path, monkeypatch):
+def downloaded_to(tmp_path, downloader, repo="facebook--sapiens2-test") -> Path:
+    if downloader == "builtin":
+        return tmp_path / "cache" / repo / "main"
+    return tmp_path / "hf-cache" / f"models--{repo}" / "snapshots" / COMMIT
+
+
+def test_hub_download_caches(hub, tmp_path, monkeypatch, downloader):
     root, server = hub
     model = small_model()
     publish(root, "facebook/sapiens2-test", model)
     loaded = weights.load("facebook/sapiens2-test")
     assert same_weights(model, loaded)
     assert "/facebook/sapiens2-test/resolve/main/model.safetensors" in server.requests
-    cached = tmp_path / "cache" / "facebook--sapiens2-test" / "main" / "model.safetensors"
-    assert cached.is_file()
+    assert (downloaded_to(tmp_path, downloader) / "model.safetensors").is_file()
     count = len(server.requests)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert same_weights(model, weights.load("facebook/sapiens2-test"))  # from the cache
     assert len(server.requests) == count
 
 
-def test_hub_download_resumes_a_partial_file(hub, tmp_path):
+def test_hub_download_resumes_a_partial_file(hub, tmp_path, downloader):
     root, server = hub
+    if downloader != "builtin":
+        pytest.skip("huggingface_hub resumes its own .incomplete files")
     model = small_model()
     published = publish(root, "facebook/sapiens2-test", model) / "model.safetensors"
     local = tmp_path / "cache" / "facebook--sapiens2-test" / "main"
@@ -364,7 +406,7 @@ def test_hub_download_resumes_a_partial_file(hub, tmp_path):
     assert (local / "model.safetensors").read_bytes() == data
 
 
-def test_hub_sharded_download(hub, tmp_path):
+def test_hub_sharded_download(hub, tmp_path, downloader):
     root, _ = hub
     model = small_model()
     directory = root / "facebook/sharded/resolve/main"
@@ -377,6 +419,7 @@ def test_hub_sharded_download(hub, tmp_path):
     index = {"weight_map": {k: s for s, names in shards.items() for k in names}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     assert same_weights(model, weights.load("facebook/sharded"))
+    assert (downloaded_to(tmp_path, downloader, "facebook--sharded") / "b.safetensors").is_file()
 
 
 def test_hub_missing_repo_and_offline_say_what_to_do(hub, monkeypatch):
@@ -387,12 +430,53 @@ def test_hub_missing_repo_and_offline_say_what_to_do(hub, monkeypatch):
         weights.load("facebook/other")
 
 
-def test_hub_unreachable_says_what_to_do(tmp_path, monkeypatch):
+def test_hub_unreachable_says_what_to_do(tmp_path, monkeypatch, downloader):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    if downloader == "huggingface_hub":  # it retries a refused connection for ~23 s: skip its waits
+        import huggingface_hub.utils._http as hub_http
+        monkeypatch.setattr(hub_http, "time", type("NoWait", (), {"sleep": staticmethod(lambda s: None)}))
     with pytest.raises(FileNotFoundError, match="download failed.*put them in"):
         weights.load("facebook/sapiens2-pretrain-0.4b")
+
+
+def fake_hf_cache(cache: Path, repo: str, model, revision="main", files=("config.json", "model.safetensors")):
+    """What huggingface_hub leaves on disk: blobs, snapshots/<commit>/<file> symlinked to them, refs/<revision>."""
+    saved = weights.save(model, cache / "tmp-save")
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "blobs").mkdir(parents=True)
+    (folder / "snapshots" / COMMIT).mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / revision).write_text(COMMIT)
+    for name in files:
+        data = (saved / name).read_bytes()
+        blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (folder / "snapshots" / COMMIT / name).symlink_to(os.path.relpath(blob, folder / "snapshots" / COMMIT))
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
+def test_weights_in_the_hugging_face_cache_are_used(hub, tmp_path, monkeypatch, variable):
+    _, server = hub
+    model = small_model()
+    cache = tmp_path / "elsewhere" / ("hub" if variable == "HF_HOME" else "")
+    fake_hf_cache(cache, "facebook/sapiens2-test", model)
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv(variable, str(tmp_path / "elsewhere" if variable == "HF_HOME" else cache))
+    assert weights.hf_cache_dir() == cache
+    assert same_weights(model, weights.load("facebook/sapiens2-test"))
+    assert server.requests == []  # nothing downloaded
+
+
+def test_an_incomplete_hugging_face_cache_entry_is_downloaded(hub, tmp_path, downloader):
+    root, server = hub
+    model = small_model()
+    fake_hf_cache(tmp_path / "hf-cache", "facebook/sapiens2-test", model, files=("config.json",))
+    publish(root, "facebook/sapiens2-test", model)
+    assert same_weights(model, weights.load("facebook/sapiens2-test"))
+    assert "/facebook/sapiens2-test/resolve/main/model.safetensors" in server.requests
 
 
 def test_bf16_inference_close_to_transformers_bf16(tmp_root):
