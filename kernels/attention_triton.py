@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid_triton import check_image_elements, flat_grid, program_coords
+
 LOG2E = 1.4426950408889634
 
 # ----------------------------------------------------------------------------------------------------
@@ -115,11 +117,10 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_M), B * Hq); axis 0 fastest, so all query tiles of one head run together."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
+    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs, tiles fastest (grid_triton.py)."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+    start_m = tile * BLOCK_M
+    bh = b * HQ + h
     g = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d0 = tl.arange(0, D0)
@@ -173,10 +174,9 @@ def _attn_bwd_delta_kernel(
     N, HQ, sob, soh, son, sod, sgb, sgh, sgn, sgd,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+    bh = b * HQ + h
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod, mask=mask, other=0.0)
@@ -197,15 +197,14 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), B * Hkv): BLOCK_N keys of one (b, g), summed over the GROUP query heads of g.
+    """Flat grid of cdiv(N, BLOCK_N) * B * Hkv programs: BLOCK_N keys of one (b, g), summed over the GROUP
+    query heads of g.
 
     Transposed formulation (rows = keys): pT = exp2(k q^T * qk_scale - lse), dV += pT dO,
     dpT = v dO^T, dsT = pT * (dpT - delta), dK += dsT q (times scale at the end).
     """
-    start_n = tl.program_id(0) * BLOCK_N
-    bg = tl.program_id(1)
-    b = bg // HKV
-    g = bg % HKV
+    tile, b, g = program_coords(tl.cdiv(N, BLOCK_N), HKV)
+    start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
@@ -320,11 +319,10 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_M), B * Hq): dQ = scale * sum over key tiles of (P * (dP - delta)) K."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
+    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of (P * (dP - delta)) K."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+    start_m = tile * BLOCK_M
+    bh = b * HQ + h
     g = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d0 = tl.arange(0, D0)
@@ -485,7 +483,8 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     args = (q, k, v, o, lse, N, HQ, HQ // k.shape[1], scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
     consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q), UPCAST_DOT=not q.is_cuda)
-    _launch(_attn_fwd_kernel, "fwd", lambda bm, bn: (triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    check_image_elements(q, k, v, o)
+    _launch(_attn_fwd_kernel, "fwd", lambda bm, bn: flat_grid(triton.cdiv(N, bm), B * HQ), args, consts, blocks)
     return o, lse
 
 
@@ -500,7 +499,8 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
 
     delta = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
     block_m = 64 if q.is_cuda else 16
-    _attn_bwd_delta_kernel[(triton.cdiv(N, block_m), B * HQ)](
+    check_image_elements(q, k, v, o, do)
+    _attn_bwd_delta_kernel[flat_grid(triton.cdiv(N, block_m), B * HQ)](
         o, do, delta, N, HQ, *o.stride(), *do.stride(),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
@@ -513,11 +513,11 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
     consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not q.is_cuda)
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), B * HKV)
-    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda bm, bn: (triton.cdiv(N, bn), B * HKV), args, consts,
+    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda bm, bn: flat_grid(triton.cdiv(N, bn), B * HKV), args, consts,
             blocks)
     args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ)
-    _launch(_attn_bwd_dq_kernel, "dq", lambda bm, bn: (triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    _launch(_attn_bwd_dq_kernel, "dq", lambda bm, bn: flat_grid(triton.cdiv(N, bm), B * HQ), args, consts, blocks)
     return dq, dk, dv
 
 

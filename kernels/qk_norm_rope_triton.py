@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid_triton import check_image_elements, flat_grid, program_coords
+
 # ----------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------
@@ -49,11 +51,13 @@ def _round(x, dtype: tl.constexpr):
     """x (fp32) rounded to `dtype` (round to nearest even) and widened back to fp32: the rounding of one
     PyTorch op in `dtype`. bf16 rounds by integer arithmetic on the fp32 bits (keep the top 16 bits, add half
     an ulp plus the tie-to-even bit first) because the Triton interpreter truncates fp32 -> bf16 casts; that
-    gives the compiled cast's result (and PyTorch's) everywhere, inf and NaN included."""
+    gives the compiled cast's result (and PyTorch's) for every finite value and for inf. NaN passes through
+    unchanged: the bit trick would carry NVIDIA's canonical NaN 0x7FFFFFFF into the sign bit (-0.0), and
+    0xFFFFFFFF to +0.0 (tests/test_kernels.py feeds those bit patterns)."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     else:
         return x.to(dtype).to(tl.float32)
 
@@ -124,17 +128,16 @@ def _qk_norm_rope_fwd_kernel(
     scn, scd, ssn, ssd,  # cos, sin strides
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), B * (Hq + Hkv)): axis 1 enumerates the q heads of every image, then the k heads."""
-    n_start = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    num_q = tl.num_programs(1) // (HQ + HKV) * HQ  # B * Hq
-    if bh < num_q:
-        _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, sin_ptr, bh // HQ, bh % HQ, n_start, N, P, eps,
+    """Flat grid of cdiv(N, BLOCK_N) * B * (Hq + Hkv) programs (grid_triton.py): head h < Hq of image b is
+    q head h, the others k head h - Hq."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_N), HQ + HKV)
+    n_start = tile * BLOCK_N
+    if h < HQ:
+        _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, sin_ptr, b, h, n_start, N, P, eps,
                             sqb, sqh, sqn, sqd, soqb, soqh, soqn, soqd, scn, scd, ssn, ssd,
                             HALF, BLOCK_N, BLOCK_H)
     else:
-        bh = bh - num_q
-        _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, sin_ptr, bh // HKV, bh % HKV, n_start, N, P, eps,
+        _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, sin_ptr, b, h - HQ, n_start, N, P, eps,
                             skb, skh, skn, skd, sokb, sokh, sokn, sokd, scn, scd, ssn, ssd,
                             HALF, BLOCK_N, BLOCK_H)
 
@@ -202,7 +205,7 @@ def _norm_rope_bwd_tile(
 def _qk_norm_rope_bwd_kernel(
     q_ptr, k_ptr, doq_ptr, dok_ptr, dq_ptr, dk_ptr,  # (B, H, N, D) tensors of any strides
     wq_ptr, wk_ptr,  # (D,) weights
-    dw_part_ptr,  # (programs, D) fp32 partial sums of dw; row = program_id(1) * num_programs(0) + program_id(0)
+    dw_part_ptr,  # (programs, D) fp32 partial sums of dw, one row per program (= program_id(0))
     cos_ptr, sin_ptr,
     N, P, HQ, HKV, eps,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd,
@@ -211,20 +214,18 @@ def _qk_norm_rope_bwd_kernel(
     scn, scd, ssn, ssd,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Same grid as the forward; the q programs' dw rows come first, then the k programs'."""
-    n_start = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    dw_row = dw_part_ptr + (bh * tl.num_programs(0) + tl.program_id(0)) * (2 * HALF)
-    num_q = tl.num_programs(1) // (HQ + HKV) * HQ
-    if bh < num_q:
+    """Same grid as the forward; dw rows in program order, i.e. a (B, Hq + Hkv, tiles, D) array."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_N), HQ + HKV)
+    n_start = tile * BLOCK_N
+    dw_row = dw_part_ptr + tl.program_id(0).to(tl.int64) * (2 * HALF)
+    if h < HQ:
         _norm_rope_bwd_tile(q_ptr, doq_ptr, dq_ptr, wq_ptr, dw_row, cos_ptr, sin_ptr,
-                            bh // HQ, bh % HQ, n_start, N, P, eps,
+                            b, h, n_start, N, P, eps,
                             sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, sdqd,
                             scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
     else:
-        bh = bh - num_q
         _norm_rope_bwd_tile(k_ptr, dok_ptr, dk_ptr, wk_ptr, dw_row, cos_ptr, sin_ptr,
-                            bh // HKV, bh % HKV, n_start, N, P, eps,
+                            b, h - HQ, n_start, N, P, eps,
                             skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, sdkd,
                             scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
 
@@ -289,8 +290,9 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, bloc
     B, HQ, N, D = q.shape
     HKV, P = k.shape[1], cos.shape[0]
     oq, ok = _check_out(out, q, k) if out is not None else (_empty_bnhd(q), _empty_bnhd(k))
+    check_image_elements(q, k, oq, ok)
     BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
-    grid = (triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
+    grid = flat_grid(triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
     _qk_norm_rope_fwd_kernel[grid](
         q, k, oq, ok, q_weight, k_weight, cos, sin,
         N, P, HQ, HKV, eps,
@@ -307,9 +309,11 @@ def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: fl
     B, HQ, N, D = q.shape
     HKV, P = k.shape[1], cos.shape[0]
     dq, dk = _check_out(out, q, k) if out is not None else (_empty_bnhd(q), _empty_bnhd(k))
+    check_image_elements(q, k, grad_q, grad_k, dq, dk)
     BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
-    grid = (triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
-    dw_part = torch.empty(grid[0] * grid[1], D, dtype=torch.float32, device=q.device)
+    num_tiles = triton.cdiv(N, BLOCK_N)
+    grid = flat_grid(num_tiles, B * (HQ + HKV))
+    dw_part = torch.empty(grid[0], D, dtype=torch.float32, device=q.device)
     _qk_norm_rope_bwd_kernel[grid](
         q, k, grad_q, grad_k, dq, dk, q_weight, k_weight, dw_part, cos, sin,
         N, P, HQ, HKV, eps,
@@ -317,9 +321,9 @@ def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: fl
         *cos.stride(), *sin.stride(),
         HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, num_warps=4,
     )
-    num_q_rows = grid[0] * B * HQ
-    dwq = dw_part[:num_q_rows].sum(0).to(q_weight.dtype)
-    dwk = dw_part[num_q_rows:].sum(0).to(k_weight.dtype)
+    dw_part = dw_part.view(B, HQ + HKV, num_tiles, D)
+    dwq = dw_part[:, :HQ].sum((0, 1, 2)).to(q_weight.dtype)
+    dwk = dw_part[:, HQ:].sum((0, 1, 2)).to(k_weight.dtype)
     return dq, dk, dwq, dwk
 
 

@@ -368,3 +368,84 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
     assert err < (1e-5 if dtype == torch.float32 else 3e-2)
     # the fused path really ran, once per block for each op
     assert sorted(set(calls)) == ["_attention_triton", "_qk_norm_rope_triton"] and len(calls) == 2 * config.depth
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU-only hazards, checked on small shapes: NaN bit patterns, int64 offsets, the grid limit
+# ----------------------------------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels import grid_triton  # noqa: E402
+from kernels.qk_norm_rope_triton import _round  # noqa: E402
+
+
+@triton.jit
+def _round_bf16_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(o_ptr + offs, _round(x, tl.bfloat16), mask=offs < n)
+
+
+def test_round_to_bf16_keeps_nan_and_matches_torch():
+    """NVIDIA's canonical NaN is 0x7FFFFFFF; adding the rounding bias to its bits used to carry into the sign
+    (-0.0), and 0xFFFFFFFF wrapped to +0.0. Every NaN must stay NaN, every other value round like torch."""
+    nan_bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF]
+    finite = torch.tensor([0.0, -0.0, 1.0, 1.00390625, 1.005859375, -3.1e38, 3.3895e38, 1e-40, 65504.0,
+                           float("inf"), float("-inf"), 1.0 + 2**-8, 1.0 + 3 * 2**-8])
+    bits = torch.tensor(nan_bits, dtype=torch.int64).to(torch.int32)  # two's complement for >= 2**31
+    x = torch.cat([bits.view(torch.float32), finite, torch.randn(64) * 100]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_bf16_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    n = len(nan_bits)
+    assert out[:n].isnan().all(), f"NaN patterns came out as {out[:n].tolist()}"
+    torch.testing.assert_close(out[n:], x[n:].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_qk_norm_rope_propagates_canonical_nan():
+    """End to end on the released models' default path (bf16 tables): a token holding 0x7FFFFFFF comes out
+    NaN in both implementations, never as zeros."""
+    B, HQ, HKV, N, D, P = 1, 2, 1, 20, 64, 16
+    q, k = bnhd(B, HQ, N, D, torch.float32, 23), bnhd(B, HKV, N, D, torch.float32, 24)
+    q[0, 1, 12, 5] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    cos, sin = rope_tables(P, D, torch.bfloat16)
+    oq, _ = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N)
+    rq, _ = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    assert rq[0, 1, 12].isnan().all() and oq[0, 1, 12].isnan().all()
+    assert not oq[0, 0].isnan().any() and not oq[0, 1, :12].isnan().any()
+
+
+@triton.jit
+def _coords_kernel(out_ptr, stride_b, stride_h, num_tiles, HEADS: tl.constexpr):
+    tile, b, h = grid_triton.program_coords(num_tiles, HEADS)
+    row = out_ptr + tl.program_id(0) * 4
+    tl.store(row, tile.to(tl.int64))
+    tl.store(row + 1, b)
+    tl.store(row + 2, h)
+    tl.store(row + 3, b * stride_b + h * stride_h)  # the kernels' base offset of head h of image b
+
+
+def test_program_coords_cover_the_grid_in_int64():
+    """The flat grid's (tile, b, h) in tiles-fastest order, and the base offset b * stride_b + h * stride_h
+    in int64: with stride_b = 2**30 (an int32 argument) image 2 starts at 2**31, past int32."""
+    num_tiles, B, H, stride_b, stride_h = 3, 3, 2, 2**30, 1000
+    grid = grid_triton.flat_grid(num_tiles, B * H)
+    out = torch.zeros(grid[0], 4, dtype=torch.int64, device=DEVICE)
+    _coords_kernel[grid](out, stride_b, stride_h, num_tiles, HEADS=H)
+    want = [[t, b, h, b * stride_b + h * stride_h] for b in range(B) for h in range(H) for t in range(num_tiles)]
+    assert out.tolist() == want
+
+
+def test_grid_has_no_65535_limit(monkeypatch):
+    """B * H = 70,000 (head) programs: one flat axis, no axis above CUDA's 65,535 limit for axes 1 and 2."""
+    import kernels.attention_triton as at
+
+    grids = []
+    monkeypatch.setattr(at, "_launch", lambda kernel, name, grid, *a: grids.append(grid(16, 16)))
+    q = torch.zeros(70_000, 1, 2, 16, device=DEVICE)
+    at.attention_fwd(q, q, q)
+    assert grids == [(70_000,)]
+    with pytest.raises(ValueError, match="grid limit"):
+        grid_triton.flat_grid(2**16, 2**15)
