@@ -351,10 +351,9 @@ class QKNormRope(torch.autograd.Function):
 
 
 def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
-    """The `_qk_norm_rope_triton` hook: the fused kernels, differentiable in q, k and both weights."""
+    """The `_qk_norm_rope_triton` hook: the fused kernels, differentiable in q, k and both weights (not in
+    cos/sin: kernels/dispatch.py sends tables that require gradients to the reference)."""
     if cos.requires_grad or sin.requires_grad:
-        # The model's tables are buffers; a caller that learns them gets the reference and its gradients.
-        from .qk_norm_rope import qk_norm_rope_reference
-
-        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
+        raise ValueError("qk_norm_rope_triton gives cos/sin no gradient; use qk_norm_rope_reference for "
+                         "RoPE tables that require one")
     return QKNormRope.apply(q, k, q_weight, k_weight, cos, sin, eps)

@@ -449,3 +449,112 @@ def test_grid_has_no_65535_limit(monkeypatch):
     assert grids == [(70_000,)]
     with pytest.raises(ValueError, match="grid limit"):
         grid_triton.flat_grid(2**16, 2**15)
+
+
+# ----------------------------------------------------------------------------------------------------
+# auto dispatch: never slower than SDPA (decision logic with injected timers)
+# ----------------------------------------------------------------------------------------------------
+
+import logging  # noqa: E402
+
+from kernels import dispatch  # noqa: E402
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    monkeypatch.setattr(dispatch, "_DECIDED", {})
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.delenv("SAPIENS2_KERNELS_CACHE", raising=False)
+    monkeypatch.setenv("SAPIENS2_KERNELS", "auto")
+    return dispatch
+
+
+def fake_timer(ms: dict, calls: list):
+    """A timer that runs nothing: the time of each run function is looked up by its name."""
+    def timer(fn):
+        calls.append(fn.__name__)
+        return ms[fn.__name__]
+    return timer
+
+
+def named(name):
+    def fn():
+        raise AssertionError("a fake timer must not run the function")
+    fn.__name__ = name
+    return fn
+
+
+@pytest.mark.parametrize("ms,want", [({"tri": 1.0, "sdpa": 2.0}, "triton"), ({"tri": 2.0, "sdpa": 1.0}, "torch"),
+                                     ({"tri": 1.0, "sdpa": 1.0}, "torch")])
+def test_auto_picks_the_faster_once_and_logs_once(fresh_dispatch, caplog, ms, want):
+    calls = []
+    with caplog.at_level(logging.INFO, logger="sapiens2.kernels"):
+        for _ in range(3):
+            assert dispatch.faster("case-a", named("tri"), named("sdpa"), timer=fake_timer(ms, calls)) == want
+    assert calls == ["tri", "sdpa"]  # timed once, then cached
+    assert len([r for r in caplog.records if "case-a" in r.getMessage()]) == 1
+    assert dispatch.decisions()["case-a"] == {"choice": want, "ms": {"triton": ms["tri"], "torch": ms["sdpa"]}}
+    # another case is timed on its own
+    dispatch.faster("case-b", named("tri"), named("sdpa"), timer=fake_timer({"tri": 5.0, "sdpa": 1.0}, calls))
+    assert calls == ["tri", "sdpa", "tri", "sdpa"] and dispatch.decisions()["case-b"]["choice"] == "torch"
+
+
+def test_auto_disk_cache(fresh_dispatch, tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "choices.json"
+    monkeypatch.setenv("SAPIENS2_KERNELS_CACHE", str(path))
+    calls = []
+    assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({"tri": 3.0, "sdpa": 1.0}, calls)) == "torch"
+    assert len(calls) == 2 and path.exists()
+    monkeypatch.setattr(dispatch, "_DECIDED", {})  # a new process: read from disk, time nothing
+    assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({}, calls)) == "torch"
+    assert len(calls) == 2
+    path.write_text("not json")  # a broken cache: timed again, not fatal
+    monkeypatch.setattr(dispatch, "_DECIDED", {})
+    assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({"tri": 1.0, "sdpa": 3.0}, calls)) == "triton"
+
+
+def test_auto_attention_follows_the_timing(fresh_dispatch, monkeypatch):
+    """kernels.attention in auto mode on (pretend) CUDA tensors runs what the timer found faster; the case key
+    separates inference from training; CPU tensors never time anything."""
+    B, HQ, HKV, N, D = 1, 2, 1, 20, 16
+    q, k, v = (bnhd(B, h, N, D, torch.float32, s).contiguous() for h, s in ((HQ, 25), (HKV, 26), (HKV, 27)))
+    timed = []
+    monkeypatch.setattr(dispatch, "time_ms", lambda fn: timed.append(fn) or 1.0)
+    if DEVICE == "cpu":
+        assert kernels.attention(q, k, v).is_contiguous() and not timed  # CPU: the reference, untimed
+        monkeypatch.setattr(dispatch, "on_cuda", lambda tensors: True)
+    # the timer says triton is slower: SDPA runs (contiguous (B, H, N, D) output)
+    speeds = iter([2.0, 1.0, 1.0, 2.0])
+    monkeypatch.setattr(dispatch, "time_ms", lambda fn: next(speeds))
+    assert kernels.attention(q, k, v).is_contiguous()
+    assert kernels.attention(q, k, v).is_contiguous()  # cached: the iterator is not consumed further
+    # training is another case: timed again, and this time triton wins ((B, N, H, D) memory)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = kernels.attention(*leaves)
+    assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous()
+    keys = sorted(dispatch.decisions())
+    assert [key.rsplit("|", 1)[1] for key in keys] == ["infer", "train"]
+    monkeypatch.setenv("SAPIENS2_KERNELS", "triton")  # forced: no timing, triton
+    assert kernels.attention(q, k, v).transpose(1, 2).is_contiguous()
+
+
+def test_qk_norm_rope_with_learned_tables_takes_the_reference_visibly(fresh_dispatch, monkeypatch, caplog):
+    B, HQ, HKV, N, D, P = 1, 2, 1, 20, 16, 16
+    q, k = bnhd(B, HQ, N, D, torch.float32, 28).contiguous(), bnhd(B, HKV, N, D, torch.float32, 29).contiguous()
+    w = torch.ones(D, device=DEVICE)
+    cos, sin = (t.requires_grad_() for t in rope_tables(P, D, torch.float32))
+    monkeypatch.setattr(dispatch, "on_cuda", lambda tensors: True)
+    with caplog.at_level(logging.INFO, logger="sapiens2.kernels"):
+        oq, _ = kernels.qk_norm_rope(q, k, w, w, cos, sin)
+        kernels.qk_norm_rope(q, k, w, w, cos, sin)
+    assert oq.is_contiguous()  # the reference's layout
+    assert oq.requires_grad and torch.autograd.grad(oq.sum(), cos)[0].abs().sum() > 0
+    assert len([r for r in caplog.records if "no gradient" in r.getMessage()]) == 1
+    monkeypatch.setenv("SAPIENS2_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match="no gradient"):
+        kernels.qk_norm_rope(q, k, w, w, cos, sin)
+    with pytest.raises(ValueError, match="no gradient"):
+        qk_norm_rope_triton(q, k, w, w, cos, sin)
+    # tables without gradients: Triton in auto on CUDA, untimed
+    oq, _ = kernels.qk_norm_rope(q, k, w, w, cos.detach(), sin.detach())
+    assert oq.transpose(1, 2).is_contiguous()
