@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .grid_triton import check_image_elements, flat_grid, program_coords
+from .grid_triton import aligned_heads, check_image_elements, flat_grid, program_coords
 
 LOG2E = 1.4426950408889634
 
@@ -403,9 +403,16 @@ _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
+def compiled_for_gpu(t: torch.Tensor) -> bool:
+    """True when the kernels are compiled for the GPU (CUDA tensors); False in the CPU interpreter. The one
+    place that ties the launch choices below to the device (bench/inspect_kernels.py overrides it to compile
+    the CUDA configurations ahead of time, with no GPU)."""
+    return t.is_cuda
+
+
 def _launch(kernel, name, grid, args, consts, blocks):
     """Run the autotuned `name` kernel on CUDA unless `blocks` fixes the tiles; the plain kernel otherwise."""
-    if blocks is None and args[0].is_cuda:
+    if blocks is None and compiled_for_gpu(args[0]):
         tuned = _TUNED[name, args[0].dtype == torch.float32]
         tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
     else:
@@ -436,7 +443,7 @@ def _dot_precision(q: torch.Tensor) -> str:
     Interpreter: "ieee" (exact)."""
     if q.dtype != torch.float32:
         return "tf32"  # ignored for fp16/bf16 operands
-    if not q.is_cuda:
+    if not compiled_for_gpu(q):
         return "ieee"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
@@ -475,6 +482,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
     num_stages) instead of autotuning."""
     _check(q, k, v)
+    q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # 5b: a copy of the unaligned ones
     B, HQ, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     D0, D1 = _head_dim_chunks(D)
@@ -482,7 +490,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
     args = (q, k, v, o, lse, N, HQ, HQ // k.shape[1], scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q), UPCAST_DOT=not q.is_cuda)
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q), UPCAST_DOT=not compiled_for_gpu(q))
     check_image_elements(q, k, v, o)
     _launch(_attn_fwd_kernel, "fwd", lambda bm, bn: flat_grid(triton.cdiv(N, bm), B * HQ), args, consts, blocks)
     return o, lse
@@ -491,6 +499,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
 def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
     """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous viewed as (B, H, N, D), or
     the `out` triple."""
+    q, k, v, o, do = (aligned_heads(t) for t in (q, k, v, o, do))  # 5b: copies of the unaligned ones
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
@@ -498,7 +507,7 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
     precision = _dot_precision(q)
 
     delta = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
-    block_m = 64 if q.is_cuda else 16
+    block_m = 64 if compiled_for_gpu(q) else 16
     check_image_elements(q, k, v, o, do)
     _attn_bwd_delta_kernel[flat_grid(triton.cdiv(N, block_m), B * HQ)](
         o, do, delta, N, HQ, *o.stride(), *do.stride(),
@@ -510,7 +519,7 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
         dq = _empty_bnhd(q.shape, q.dtype, q.device)
         dk = _empty_bnhd(k.shape, k.dtype, k.device)
         dv = _empty_bnhd(v.shape, v.dtype, v.device)
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not q.is_cuda)
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not compiled_for_gpu(q))
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), B * HKV)
     _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda bm, bn: flat_grid(triton.cdiv(N, bn), B * HKV), args, consts,
@@ -529,6 +538,7 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):
+        q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # saved aligned: no copy again
         o, lse = attention_fwd(q, k, v, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale = scale

@@ -31,15 +31,17 @@ then RMSNorm's backward with x_hat = x * r and g = dy * w,
 (dw from deterministic per-program partial sums, reduced by torch). cos/sin get no gradient.
 
 Limits: D even with D/2 <= 512 (one program holds BLOCK_N full head vectors); q and k share a dtype
-(fp32, bf16 or fp16); any strides for every tensor; outputs are (B, N, H, D)-contiguous memory viewed as
-(B, H, N, D), the layout the attention kernel and the head merge like.
+(fp32, bf16 or fp16); any strides for every tensor; outputs are (B, N, H, D) memory viewed as (B, H, N, D),
+the layout the attention kernel and the head merge like, with each head of the forward's outputs stored in
+a multiple of 16 columns (5b: 80 for 76, norm and rotation over the true 76) so that attention reads them
+aligned (kernels/grid_triton.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .grid_triton import check_image_elements, flat_grid, program_coords
+from .grid_triton import check_image_elements, empty_heads, flat_grid, program_coords
 
 # ----------------------------------------------------------------------------------------------------
 # Kernels
@@ -284,12 +286,16 @@ def _check_out(out, *likes):
 
 def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, block_n: int | None = None,
                      out=None):
-    """The forward launch (no autograd). Returns (q_out, k_out): new tensors, (B, N, H, D)-contiguous viewed as
-    (B, H, N, D), or the given `out` pair (any strides; the tests pass NaN-filled ones)."""
+    """The forward launch (no autograd). Returns (q_out, k_out): new tensors in (B, N, H, D) memory viewed as
+    (B, H, N, D), each head stored in grid_triton.padded_head_dim(D) columns (76 -> 80), or the given `out`
+    pair (any strides; the tests pass NaN-filled ones)."""
     _check(q, k, q_weight, k_weight, cos, sin)
     B, HQ, N, D = q.shape
     HKV, P = k.shape[1], cos.shape[0]
-    oq, ok = _check_out(out, q, k) if out is not None else (_empty_bnhd(q), _empty_bnhd(k))
+    if out is not None:
+        oq, ok = _check_out(out, q, k)
+    else:  # heads padded to a multiple of 16 (5b: 80 of 76), so that attention loads them aligned
+        oq, ok = (empty_heads(*t.shape, t.dtype, t.device) for t in (q, k))
     check_image_elements(q, k, oq, ok)
     BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
     grid = flat_grid(triton.cdiv(N, BLOCK_N), B * (HQ + HKV))

@@ -558,3 +558,24 @@ def test_qk_norm_rope_with_learned_tables_takes_the_reference_visibly(fresh_disp
     # tables without gradients: Triton in auto on CUDA, untimed
     oq, _ = kernels.qk_norm_rope(q, k, w, w, cos.detach(), sin.detach())
     assert oq.transpose(1, 2).is_contiguous()
+
+
+def test_5b_heads_padded_to_80_in_storage():
+    """Head dim 76: qk_norm_rope writes each head into 80 columns (norm and rotation over the true 76, the
+    reference's values), attention takes those as they are and copies only the unaligned v, and the
+    results are identical to attention on the unpadded layout."""
+    B, HQ, HKV, N, D, P = 1, 2, 1, 20, 76, 16
+    q, k, v = bnhd(B, HQ, N, D, torch.float32, 30), bnhd(B, HKV, N, D, torch.float32, 31), bnhd(B, HKV, N, D, torch.float32, 32)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    cos, sin = rope_tables(P, D, torch.float32)
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N)
+    assert oq.stride() == (N * HQ * 80, 80, HQ * 80, 1) and ok.stride() == (N * HKV * 80, 80, HKV * 80, 1)
+    rq, rk = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    torch.testing.assert_close(oq, rq, rtol=1e-5, atol=1e-5)  # fp32: reduction order only
+    torch.testing.assert_close(ok, rk, rtol=1e-5, atol=1e-5)
+    assert grid_triton.aligned_heads(oq) is oq and grid_triton.aligned_heads(ok) is ok  # no copy
+    assert not grid_triton.heads_aligned(v) and grid_triton.heads_aligned(grid_triton.aligned_heads(v))
+    o_padded, _ = attention_fwd(oq, ok, v, blocks=BLOCKS)
+    o_plain, _ = attention_fwd(oq.contiguous(), ok.contiguous(), v, blocks=BLOCKS)
+    assert torch.equal(o_padded, o_plain)
+    assert rel_err(o_padded, attention_reference(rq, rk, v)) < 2e-5
