@@ -274,12 +274,16 @@ def constexpr_summary(fn, constexprs):
     return out
 
 
-def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_norm_rope"), log=print):
+def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_norm_rope"), blocks=None, log=print):
+    """The rows for these presets; `only` (regex on kernel names), `first_config`, `ops` and `blocks` ("mha",
+    "gqa2", ...) select a subset."""
     target = GPUTarget("cuda", parse_arch(arch), 32)
     compiled: dict[str, dict] = {}  # identical compilations are shared
     rows = []
     for preset in presets:
         for label, B, HQ, HKV, N, D in preset_cases(preset):
+            if blocks and label not in blocks:
+                continue
             for pas, fn, args, kwargs, configs in capture_launches(B, HQ, HKV, N, D, ops):
                 name = fn.__name__
                 if only and not re.search(only, name):
@@ -332,6 +336,7 @@ def main(argv=None):
     ap.add_argument("--ops", default="attention,qk_norm_rope")
     ap.add_argument("--only", default=None, help="regex on the kernel name, e.g. attn_fwd")
     ap.add_argument("--first-config", action="store_true", help="only the first autotune configuration")
+    ap.add_argument("--blocks", default=None, help="comma-separated block kinds: mha, gqa2 (default: all)")
     args = ap.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]
     unknown = [p for p in presets if p not in PRESETS]
@@ -339,7 +344,8 @@ def main(argv=None):
         ap.error(f"unknown presets {unknown}; choose from {', '.join(PRESETS)}")
     t0 = time.time()
     print(header())
-    rows = inspect(presets, args.arch, args.only, args.first_config, tuple(args.ops.split(",")))
+    blocks = tuple(args.blocks.split(",")) if args.blocks else None
+    rows = inspect(presets, args.arch, args.only, args.first_config, tuple(args.ops.split(",")), blocks)
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s (triton {triton.__version__}, {args.arch}, no GPU)")
     if args.json:
         info = {"arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,

@@ -76,6 +76,7 @@ def _norm_rope_fwd_tile(
     HALF: tl.constexpr,  # D / 2
     BLOCK_N: tl.constexpr,  # tokens per program
     BLOCK_H: tl.constexpr,  # next power of two >= HALF
+    X_ALIGN: tl.constexpr,  # a power of two (<= 16) dividing the batch/head strides of x and the table rows
 ):
     in_dtype = x_ptr.dtype.element_ty
     rope_dtype = cos_ptr.dtype.element_ty  # the reference rotates in cos.dtype
@@ -85,8 +86,9 @@ def _norm_rope_fwd_tile(
     mask_d = offs_d < HALF
     mask = mask_n[:, None] & mask_d[None, :]
 
-    # x as its two halves [x1 | x2], each (BLOCK_N, BLOCK_H), fp32.
-    x_rows = x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn
+    # x as its two halves [x1 | x2], each (BLOCK_N, BLOCK_H), fp32. The alignment hint lets 5b's heads
+    # (76 elements: 8-byte aligned) load in pairs instead of 16-bit scalars.
+    x_rows = x_ptr + tl.multiple_of(b * sxb + h * sxh, X_ALIGN) + offs_n[:, None] * sxn
     x1 = tl.load(x_rows + offs_d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + (offs_d[None, :] + HALF) * sxd, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -102,8 +104,8 @@ def _norm_rope_fwd_tile(
     p = offs_n - (N - P)  # position in the tables; negative for the prefix tokens
     is_patch = mask_n & (p >= 0)
     tmask = is_patch[:, None] & mask_d[None, :]
-    c_rows = cos_ptr + p[:, None] * scn
-    s_rows = sin_ptr + p[:, None] * ssn
+    c_rows = cos_ptr + tl.multiple_of(p * scn, X_ALIGN)[:, None]
+    s_rows = sin_ptr + tl.multiple_of(p * ssn, X_ALIGN)[:, None]
     c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
     c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
     s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
@@ -128,7 +130,7 @@ def _qk_norm_rope_fwd_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd,  # q, k strides
     soqb, soqh, soqn, soqd, sokb, sokh, sokn, sokd,  # output strides
     scn, scd, ssn, ssd,  # cos, sin strides
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     """Flat grid of cdiv(N, BLOCK_N) * B * (Hq + Hkv) programs (grid_triton.py): head h < Hq of image b is
     q head h, the others k head h - Hq."""
@@ -137,11 +139,11 @@ def _qk_norm_rope_fwd_kernel(
     if h < HQ:
         _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, sin_ptr, b, h, n_start, N, P, eps,
                             sqb, sqh, sqn, sqd, soqb, soqh, soqn, soqd, scn, scd, ssn, ssd,
-                            HALF, BLOCK_N, BLOCK_H)
+                            HALF, BLOCK_N, BLOCK_H, X_ALIGN)
     else:
         _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, sin_ptr, b, h - HQ, n_start, N, P, eps,
                             skb, skh, skn, skd, sokb, sokh, sokn, sokd, scn, scd, ssn, ssd,
-                            HALF, BLOCK_N, BLOCK_H)
+                            HALF, BLOCK_N, BLOCK_H, X_ALIGN)
 
 
 @triton.jit
@@ -154,7 +156,7 @@ def _norm_rope_bwd_tile(
     sgb, sgh, sgn, sgd,  # do strides
     sdb, sdh, sdn, sdd,  # dx strides
     scn, scd, ssn, ssd,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_H)
@@ -162,10 +164,10 @@ def _norm_rope_bwd_tile(
     mask_d = offs_d < HALF
     mask = mask_n[:, None] & mask_d[None, :]
 
-    x_rows = x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn
+    x_rows = x_ptr + tl.multiple_of(b * sxb + h * sxh, X_ALIGN) + offs_n[:, None] * sxn
     x1 = tl.load(x_rows + offs_d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + (offs_d[None, :] + HALF) * sxd, mask=mask, other=0.0).to(tl.float32)
-    g_rows = do_ptr + b * sgb + h * sgh + offs_n[:, None] * sgn
+    g_rows = do_ptr + tl.multiple_of(b * sgb + h * sgh, X_ALIGN) + offs_n[:, None] * sgn
     do1 = tl.load(g_rows + offs_d[None, :] * sgd, mask=mask, other=0.0).to(tl.float32)
     do2 = tl.load(g_rows + (offs_d[None, :] + HALF) * sgd, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -174,8 +176,8 @@ def _norm_rope_bwd_tile(
     # Rotation transposed (patch tokens); the prefix passes do through (c = 1, s = 0 there).
     p = offs_n - (N - P)
     tmask = (mask_n & (p >= 0))[:, None] & mask_d[None, :]
-    c_rows = cos_ptr + p[:, None] * scn
-    s_rows = sin_ptr + p[:, None] * ssn
+    c_rows = cos_ptr + tl.multiple_of(p * scn, X_ALIGN)[:, None]
+    s_rows = sin_ptr + tl.multiple_of(p * ssn, X_ALIGN)[:, None]
     c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
     c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
     s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
@@ -214,7 +216,7 @@ def _qk_norm_rope_bwd_kernel(
     sgqb, sgqh, sgqn, sgqd, sgkb, sgkh, sgkn, sgkd,  # doq, dok strides
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd,  # dq, dk strides
     scn, scd, ssn, ssd,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     """Same grid as the forward; dw rows in program order, i.e. a (B, Hq + Hkv, tiles, D) array."""
     tile, b, h = program_coords(tl.cdiv(N, BLOCK_N), HQ + HKV)
@@ -224,12 +226,12 @@ def _qk_norm_rope_bwd_kernel(
         _norm_rope_bwd_tile(q_ptr, doq_ptr, dq_ptr, wq_ptr, dw_row, cos_ptr, sin_ptr,
                             b, h, n_start, N, P, eps,
                             sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, sdqd,
-                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
+                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H, X_ALIGN)
     else:
         _norm_rope_bwd_tile(k_ptr, dok_ptr, dk_ptr, wk_ptr, dw_row, cos_ptr, sin_ptr,
                             b, h - HQ, n_start, N, P, eps,
                             skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, sdkd,
-                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
+                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H, X_ALIGN)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -245,6 +247,17 @@ def _block_sizes(head_dim: int, block_n: int | None):
     if block_n is None:
         block_n = max(1, min(64, 4096 // (2 * block_h)))
     return block_n, block_h
+
+
+def _alignment(cos, sin, *tensors) -> int:
+    """The largest power of two <= 16 that divides every batch and head stride of these (B, H, N, D) tensors
+    and the row strides of the tables: the X_ALIGN hint (5b, heads of 76 in (B, N, H, 76) memory: 4)."""
+    align = 16
+    strides = [cos.stride(0), sin.stride(0)] + [s for t in tensors for s in t.stride()[:2]]
+    for stride in strides:
+        while stride % align:
+            align //= 2
+    return align
 
 
 def _check(q, k, q_weight, k_weight, cos, sin):
@@ -303,7 +316,7 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, bloc
         q, k, oq, ok, q_weight, k_weight, cos, sin,
         N, P, HQ, HKV, eps,
         *q.stride(), *k.stride(), *oq.stride(), *ok.stride(), *cos.stride(), *sin.stride(),
-        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, num_warps=4,
+        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, X_ALIGN=_alignment(cos, sin, q, k), num_warps=4,
     )
     return oq, ok
 
@@ -325,7 +338,8 @@ def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: fl
         N, P, HQ, HKV, eps,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
         *cos.stride(), *sin.stride(),
-        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, num_warps=4,
+        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, X_ALIGN=_alignment(cos, sin, q, k, grad_q, grad_k),
+        num_warps=4,
     )
     dw_part = dw_part.view(B, HQ + HKV, num_tiles, D)
     dwq = dw_part[:, :HQ].sum((0, 1, 2)).to(q_weight.dtype)
