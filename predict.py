@@ -21,7 +21,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -30,8 +29,6 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-import PIL
-import safetensors
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
@@ -41,6 +38,7 @@ import heads
 import processing
 import weights
 from metadata import keypoint_metadata
+from runtime_info import versions
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
 
 TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo", "features")
@@ -726,15 +724,6 @@ class Progress:
 # ----------------------------------------------------------------------------------------------------
 # Manifest
 # ----------------------------------------------------------------------------------------------------
-def versions() -> dict:
-    pyproject = Path(__file__).with_name("pyproject.toml")
-    match = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
-    return {"sapiens2": match[1] if match else "unknown", "python": platform.python_version(),
-            "torch": torch.__version__, "numpy": np.__version__, "pillow": PIL.__version__,
-            "safetensors": safetensors.__version__, "cuda": torch.version.cuda,
-            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
-
-
 def describe_model(loaded: LoadedModel, dtype: str) -> dict:
     model = loaded.model
     head = model.head_config.to_dict() if isinstance(model, heads.Sapiens2ForTask) else None

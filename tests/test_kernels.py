@@ -579,3 +579,29 @@ def test_5b_heads_padded_to_80_in_storage():
     o_plain, _ = attention_fwd(oq.contiguous(), ok.contiguous(), v, blocks=BLOCKS)
     assert torch.equal(o_padded, o_plain)
     assert rel_err(o_padded, attention_reference(rq, rk, v)) < 2e-5
+
+
+@pytest.mark.parametrize("rope_dtype", ["bfloat16", "float32"])
+def test_triton_rope_is_rope_reference(rope_dtype):
+    """The NOTE in sapiens2.Attention: the Triton kernel re-implements kernels.rope_reference. On the model's
+    own tables (RotaryEmbedding2D: [y | x | y | x] halves, both precision conventions) and prefix count, the
+    kernel must equal rope_reference applied after RMSNorm, called here directly (not through
+    qk_norm_rope_reference), so that a change to either side fails here."""
+    from kernels import rms_norm_reference, rope_reference
+    from sapiens2 import RotaryEmbedding2D, Sapiens2Config
+
+    config = Sapiens2Config(embed_dim=152, depth=2, num_heads=2, rope_dtype=rope_dtype)  # head dim 76, like 5b
+    h, w = 5, 4
+    cos, sin = RotaryEmbedding2D(config)(h, w, torch.device(DEVICE), torch.float32)
+    N, D = config.num_prefix_tokens + h * w, config.head_dim
+    q, k = bnhd(1, 2, N, D, torch.float32, 33), bnhd(1, 1, N, D, torch.float32, 34)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    eps = config.norm_eps
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, eps, block_n=QK_BLOCK_N)
+    for got, x, weight in ((oq, q, wq), (ok, k, wk)):
+        want = rope_reference(rms_norm_reference(x, weight, eps), cos, sin)
+        if rope_dtype == "float32":
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: reduction order only
+        else:  # bf16 rotation: the same roundings, at most one bf16 ulp apart on rare elements
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+            assert (got != want).double().mean().item() <= 0.01
