@@ -51,14 +51,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """a @ b with fp32 accumulation. UPCAST_DOT (set only when interpreting on CPU) widens the operands to
-    fp32 first: the Triton interpreter multiplies bf16 operands as their raw 16-bit integers. Products of
-    bf16/fp16 values are exact in fp32, so this computes what the tensor cores compute."""
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc + a @ b (acc None: a @ b) with fp32 accumulation. Passing the accumulator into the dot (instead of
+    adding its result) accumulates inside the wgmma, so the result need not be waited for and added before
+    the next step. UPCAST_DOT (set only when interpreting on CPU) widens the operands to fp32 first: the
+    Triton interpreter multiplies bf16 operands as their raw 16-bit integers. Products of bf16/fp16 values
+    are exact in fp32, so this computes what the tensor cores compute."""
     if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -83,7 +85,7 @@ def _attn_fwd_tile(
     else:
         kt0 = tl.load(kt_ptrs)
         v0 = tl.load(v_ptrs)
-    s = _dot(q0, kt0, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N) fp32
+    s = _dot(q0, kt0, None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N) fp32
     if D1 > 0:
         offs_d1 = D0 + tl.arange(0, D1)
         mask_d1 = offs_d1 < HEAD_DIM
@@ -91,7 +93,7 @@ def _attn_fwd_tile(
                       mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
         v1 = tl.load(v_base + offs_n[:, None] * svn + offs_d1[None, :] * svd,
                      mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
-        s += _dot(q1, kt1, DOT_PRECISION, UPCAST_DOT)
+        s = _dot(q1, kt1, s, DOT_PRECISION, UPCAST_DOT)
     if MASK_N:
         s = tl.where(mask_n[None, :], s, float("-inf"))
 
@@ -100,9 +102,9 @@ def _attn_fwd_tile(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(v0.dtype)
-    acc0 = acc0 * alpha[:, None] + _dot(p, v0, DOT_PRECISION, UPCAST_DOT)
+    acc0 = _dot(p, v0, acc0 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        acc1 = acc1 * alpha[:, None] + _dot(p, v1, DOT_PRECISION, UPCAST_DOT)
+        acc1 = _dot(p, v1, acc1 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     return acc0, acc1, m_new, l_i
 
 
@@ -240,21 +242,21 @@ def _attn_bwd_dkdv_kernel(
         lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=float("inf"))
         delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=0.0)
 
-        qkT = _dot(k0, tl.trans(q0), DOT_PRECISION, UPCAST_DOT)  # (BLOCK_N, BLOCK_M)
+        qkT = _dot(k0, tl.trans(q0), None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_N, BLOCK_M)
         if D1 > 0:
             q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
             do1 = tl.load(do_rows + offs_d1[None, :] * sgd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-            qkT += _dot(k1, tl.trans(q1), DOT_PRECISION, UPCAST_DOT)
+            qkT = _dot(k1, tl.trans(q1), qkT, DOT_PRECISION, UPCAST_DOT)
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-        dv0 += _dot(pT.to(do0.dtype), do0, DOT_PRECISION, UPCAST_DOT)
-        dpT = _dot(v0, tl.trans(do0), DOT_PRECISION, UPCAST_DOT)
+        dv0 = _dot(pT.to(do0.dtype), do0, dv0, DOT_PRECISION, UPCAST_DOT)
+        dpT = _dot(v0, tl.trans(do0), None, DOT_PRECISION, UPCAST_DOT)
         if D1 > 0:
-            dv1 += _dot(pT.to(do1.dtype), do1, DOT_PRECISION, UPCAST_DOT)
-            dpT += _dot(v1, tl.trans(do1), DOT_PRECISION, UPCAST_DOT)
+            dv1 = _dot(pT.to(do1.dtype), do1, dv1, DOT_PRECISION, UPCAST_DOT)
+            dpT = _dot(v1, tl.trans(do1), dpT, DOT_PRECISION, UPCAST_DOT)
         dsT = (pT * (dpT - delta[None, :])).to(q0.dtype)
-        dk0 += _dot(dsT, q0, DOT_PRECISION, UPCAST_DOT)
+        dk0 = _dot(dsT, q0, dk0, DOT_PRECISION, UPCAST_DOT)
         if D1 > 0:
-            dk1 += _dot(dsT, q1, DOT_PRECISION, UPCAST_DOT)
+            dk1 = _dot(dsT, q1, dk1, DOT_PRECISION, UPCAST_DOT)
 
     dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
     dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
@@ -286,8 +288,8 @@ def _attn_bwd_dq_tile(
     else:
         k0 = tl.load(k_ptrs)
         vt0 = tl.load(vt_ptrs)
-    s = _dot(q0, tl.trans(k0), DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N)
-    dp = _dot(do0, vt0, DOT_PRECISION, UPCAST_DOT)
+    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N)
+    dp = _dot(do0, vt0, None, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
         offs_d1 = D0 + tl.arange(0, D1)
         mask_d1 = offs_d1 < HEAD_DIM
@@ -295,15 +297,15 @@ def _attn_bwd_dq_tile(
                      mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
         vt1 = tl.load(v_base + offs_n[None, :] * svn + offs_d1[:, None] * svd,
                       mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
-        s += _dot(q1, tl.trans(k1), DOT_PRECISION, UPCAST_DOT)
-        dp += _dot(do1, vt1, DOT_PRECISION, UPCAST_DOT)
+        s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
+        dp = _dot(do1, vt1, dp, DOT_PRECISION, UPCAST_DOT)
     p = tl.math.exp2(s * qk_scale - lse[:, None])
     if MASK_N:
         p = tl.where(mask_n[None, :], p, 0.0)
     ds = (p * (dp - delta[:, None])).to(k0.dtype)
-    dq0 += _dot(ds, k0, DOT_PRECISION, UPCAST_DOT)
+    dq0 = _dot(ds, k0, dq0, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        dq1 += _dot(ds, k1, DOT_PRECISION, UPCAST_DOT)
+        dq1 = _dot(ds, k1, dq1, DOT_PRECISION, UPCAST_DOT)
     return dq0, dq1
 
 
@@ -376,13 +378,14 @@ def _configs(shapes):
 
 
 # (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
-# wgmma) when the grid is large, 64-row tiles to fill the 132 SMs at batch 1.
-# (ptxas for sm_90a, run on CPU: all of them compile to wgmma without register spills at D = 64 and 80, except
-# a few bytes in the 4-warp backward tiles at D = 80; 128 x 64 with 4 warps spilled and is not listed.)
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4),
-                         (64, 64, 4, 4), (64, 128, 4, 3)])
+# wgmma) when the grid is large, 64-row tiles to fill the 132 SMs at batch 1. Every configuration the
+# autotuner may pick is compiled for sm_90a and read back by bench/inspect_kernels.py (no GPU needed; table
+# in bench/results/inspect_kernels_sm90a.json): all use wgmma and cp.async, none spills at D = 64, 80 and
+# 76. Pruned as unable to win: forward 128 x 32 with 4 warps (a 128-row tile on one warpgroup, 184
+# registers, and N = 32 wgmmas), and the 4-warp dQ tile with BLOCK_N = 32.
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)])
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
 # fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
 # stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
 _FWD_CONFIGS_FP32 = _configs([(128, 32, 8, 2), (64, 32, 4, 2)])
