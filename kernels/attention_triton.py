@@ -30,7 +30,7 @@ is what makes the loads fast); Hq % Hkv == 0.
 Block sizes: autotuned on CUDA (key: N, B * Hq, D, dtype) over configurations chosen for Hopper (H100/H200:
 128 x 64 and 128 x 128 tiles with 8 warps for big grids, 64-row tiles when B * Hq * cdiv(N, 128) leaves
 SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTERPRET=1).
-Not done here (see bench/gpu_check.sh): TMA tensor descriptors and warp specialization. The (B, N, H, D)
+Not done here (no GPU to validate them yet): TMA tensor descriptors and warp specialization. The (B, N, H, D)
 layout with D = 76 puts odd heads at addresses that are not 16-byte aligned, which TMA requires, so a TMA
 path needs its own dispatch; it is left for a session with a GPU to validate it.
 """
@@ -404,6 +404,9 @@ _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
 
 # Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+# When set (the CUDA tests set it), these tiles replace autotuning everywhere: a few compiles instead of one
+# per configuration, shape and dtype.
+PINNED_BLOCKS: dict | None = None
 
 
 def compiled_for_gpu(t: torch.Tensor) -> bool:
@@ -414,7 +417,9 @@ def compiled_for_gpu(t: torch.Tensor) -> bool:
 
 
 def _launch(kernel, name, grid, args, consts, blocks):
-    """Run the autotuned `name` kernel on CUDA unless `blocks` fixes the tiles; the plain kernel otherwise."""
+    """Run the autotuned `name` kernel on CUDA unless `blocks` (or PINNED_BLOCKS) fixes the tiles; the plain
+    kernel otherwise."""
+    blocks = blocks if blocks is not None else PINNED_BLOCKS
     if blocks is None and compiled_for_gpu(args[0]):
         tuned = _TUNED[name, args[0].dtype == torch.float32]
         tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)

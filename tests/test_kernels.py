@@ -26,9 +26,15 @@ from kernels.attention_triton import attention_bwd, attention_fwd, attention_tri
 from kernels.qk_norm_rope_triton import qk_norm_rope_bwd, qk_norm_rope_fwd, qk_norm_rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# On CPU fix the tiles to 16 x 16 (several tiles plus a tail at N = 44); on CUDA let the autotuner choose.
-BLOCKS = None if DEVICE == "cuda" else {"BLOCK_M": 16, "BLOCK_N": 16}
+# Tiles pinned: on CPU 16 x 16 (several tiles plus a tail at N = 44); on CUDA one Hopper-sized tile for every
+# launch, autograd ones included (PINNED_BLOCKS), so the tests compile a few kernels instead of autotuning
+# ~100 (the benchmarks autotune).
+BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2} if DEVICE == "cuda" else {"BLOCK_M": 16, "BLOCK_N": 16}
 QK_BLOCK_N = None if DEVICE == "cuda" else 16
+if DEVICE == "cuda":
+    import kernels.attention_triton
+
+    kernels.attention_triton.PINNED_BLOCKS = BLOCKS
 
 # Worst errors seen by each test, printed at the end of the run (pytest -s) for the record.
 WORST: dict[str, float] = {}
