@@ -25,7 +25,6 @@ import glob
 import json
 import math
 import os
-import platform
 import posixpath
 import re
 import secrets
@@ -37,8 +36,6 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-import PIL
-import safetensors
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
@@ -52,6 +49,7 @@ import tracking
 import video
 import weights
 from metadata import keypoint_metadata
+from runtime_info import versions
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
 
 TASKS = (*heads.TASKS, "features")
@@ -1106,15 +1104,6 @@ class Progress:
 # ----------------------------------------------------------------------------------------------------
 # Manifest
 # ----------------------------------------------------------------------------------------------------
-def versions() -> dict:
-    pyproject = Path(__file__).with_name("pyproject.toml")
-    match = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
-    return {"sapiens2": match[1] if match else "unknown", "python": platform.python_version(),
-            "torch": torch.__version__, "numpy": np.__version__, "pillow": PIL.__version__,
-            "safetensors": safetensors.__version__, "cuda": torch.version.cuda,
-            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
-
-
 def describe_model(loaded: LoadedModel, dtype: str) -> dict:
     model = loaded.model
     head = model.head_config.to_dict() if isinstance(model, heads.Sapiens2ForTask) else None

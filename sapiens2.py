@@ -357,6 +357,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, N, self.num_kv_heads, D).transpose(1, 2)  # (B, Hkv, N, D)
         v = self.wv(x).view(B, N, self.num_kv_heads, D).transpose(1, 2)  # (B, Hkv, N, D)
         # Main blocks normalize and rotate q and k; the 4K tokenizer's blocks do neither.
+        # NOTE: on CUDA this runs kernels/qk_norm_rope_triton.py, which RE-IMPLEMENTS kernels.rope_reference
+        # (and its roundings) instead of calling it: a change to rope_reference or to the tables' layout
+        # must be made in the kernel too (tests/test_kernels.py::test_triton_rope_is_rope_reference fails
+        # when the two diverge).
         if self.q_norm is not None:
             q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, *rope, eps=self.eps)
         o = kernels.attention(q, k, v)  # (B, Hq, N, D)

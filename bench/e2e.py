@@ -51,7 +51,7 @@ FLOPs and bytes: counted on the meta device by hooks on every nn.Linear, nn.Conv
 of our (unfused) model (2 * MACs) plus 4 * N^2 * D per query head in each attention; bytes are each such
 op's input + output + weight read/written once (an unfused lower bound on traffic, attention as q, k, v, o).
 Achieved TFLOP/s = FLOPs / median time, and on a known GPU the fraction of its dense peak for the dtype
-(PEAKS below; fp32 rows use the non-tensor-core fp32 peak, since TF32 is left off). On CPU: GFLOP/s only.
+(runtime_info.DEVICE_PEAKS; fp32 rows use the non-tensor-core fp32 peak, since TF32 is left off). On CPU: GFLOP/s only.
 
 Results: bench/results/e2e-<device>-<date>.json (+ .md table, + .png plot drawn with pillow).
 """
@@ -84,6 +84,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import heads  # noqa: E402
+from runtime_info import device_peaks, versions  # noqa: E402
 import sapiens2  # noqa: E402
 import weights  # noqa: E402
 
@@ -92,17 +93,6 @@ MODELS = ("backbone", "pose", "seg", "normal", "pointmap", "albedo", "matting")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
 SEED = 0
-
-# Dense (no sparsity) peak TFLOP/s per dtype from the vendors' datasheets, and HBM GB/s. Matched by
-# substring of torch.cuda.get_device_name(), first match wins (so "H100 PCIe" before "H100").
-PEAKS = [
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}, 4800.0),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}, 2000.0),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}, 3350.0),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 2039.0),
-    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6}, 864.0),
-    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008.0),
-]
 
 # A tiny architecture for the smoke test (not a released size): 10 blocks so that GQA blocks exist.
 TINY = sapiens2.Sapiens2Config(64, 10, 4, full_attention_first=3, full_attention_last=3)
@@ -492,25 +482,6 @@ def device_slug(device: str) -> str:
     return f"cpu{torch.get_num_threads()}t"
 
 
-def peaks_for(name: str, dtype: str):
-    for key, tflops, gbs in PEAKS:
-        if key in name:
-            return tflops.get(dtype), gbs
-    return None, None
-
-
-def versions() -> dict:
-    v = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("transformers", "triton"):
-        try:
-            v[pkg] = __import__(pkg).__version__
-        except ImportError:
-            v[pkg] = None
-    if torch.cuda.is_available():
-        v["cuda"] = torch.version.cuda
-    return v
-
-
 def job_key(job: dict) -> str:
     return f"{job['preset']}|{job['model']}|b{job['batch']}|{job['dtype']}|{job['size'][0]}x{job['size'][1]}|{job['impl']}"
 
@@ -635,7 +606,7 @@ def add_derived(rows: list[dict], dev_name: str):
         s = r["median_ms"] / 1e3
         r["achieved_tflops"] = r["flops"] / s / 1e12
         r["achieved_gbs"] = r["bytes"] / s / 1e9
-        peak, _ = peaks_for(dev_name, r["dtype"]) if r["device"] == "cuda" else (None, None)
+        peak, _ = device_peaks(dev_name, r["dtype"]) if r["device"] == "cuda" else (None, None)
         r["peak_tflops"] = peak
         r["peak_fraction"] = r["achieved_tflops"] / peak if peak else None
         r["flop_floor_ms"] = r["flops"] / (peak * 1e12) * 1e3 if peak else None

@@ -1,21 +1,23 @@
 """Benchmark the fused kernels against what users have today.
 
-    python bench/kernels.py                      # CUDA if available, else the CPU smoke run
-    python bench/kernels.py --device cpu         # reference vs torch.compile(reference), small shapes
-    python bench/kernels.py --device cuda [--quick] [--out bench/results/kernels_h200.json]
+    python3 bench/kernels.py                      # CUDA if available, else the CPU smoke run
+    python3 bench/kernels.py --device cpu         # reference vs torch.compile(reference), small shapes
+    python3 bench/kernels.py --device cuda [--presets 0.4b,5b] [--batches 8] [--ops attention,qk_norm_rope,copy]
+                                           [--with-compile] [--out FILE]
 
-CUDA: at the real shapes (1024 x 768 image -> N = 9 + 64 * 48 = 3081 tokens; 0.4b, 0.8b, 1b, 5b; batch 1
-and 8; bf16) it times
-    attention     Triton | reference (SDPA after repeat_interleave) | torch.compile(reference) |
-                  SDPA (enable_gqa) on each backend: flash, efficient, cudnn (and math at batch 1)
-                  forward, and forward + backward
-    qk_norm_rope  Triton | reference | torch.compile(reference), for fp32 q/k with bf16 tables (the original
+CUDA: at the real shapes (a 1024 x 768 image: N = 9 + 64 * 48 = 3081 tokens; the presets' heads, from
+sapiens2.PRESETS; bf16) it times
+    attention     Triton | reference (SDPA with enable_gqa: K/V are never repeated) | SDPA on each backend
+                  (flash, efficient, cudnn; math at batch 1) | torch.compile(reference) with --with-compile;
+                  forward, and forward + backward; full-attention and GQA blocks
+    qk_norm_rope  Triton | reference (| torch.compile(reference)), fp32 q/k with bf16 tables (the original
                   model) and bf16 q/k with bf16 tables
+    copy          a device-to-device copy of 1 GiB: the memory ceiling qk_norm_rope is measured against
 and reports the median time (triton.testing.do_bench), TFLOP/s (attention: 4 B Hq N^2 D for the forward,
 3.5x that for forward + backward, the FlashAttention-2 convention) or GB/s (qk_norm_rope: bytes read and
-written once), and the fraction of the device's peak: the datasheet dense bf16 TFLOP/s for attention, and
-for qk_norm_rope the measured device-to-device copy bandwidth (a torch copy_ of 1 GiB). A JSON with the
-device, versions, shapes and medians goes to bench/results/.
+written once), and the fraction of the device's peak (runtime_info.DEVICE_PEAKS: datasheet dense bf16) or of
+the measured copy bandwidth. Rows are printed and written to the JSON as they are measured (a run cut short
+keeps what it measured), in the order of --ops.
 CPU: the same ops at small shapes, reference vs torch.compile(reference), so that this script keeps running
 in CI; its numbers say nothing about the GPU.
 """
@@ -36,23 +38,24 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
 from kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
+from runtime_info import device_peaks, versions  # noqa: E402
+from sapiens2 import PRESETS  # noqa: E402
 
-# name: (embed dim, query heads, kv heads in the GQA blocks); D = embed / heads. The first and last blocks
-# of each model are full multi-head attention (kv heads = query heads), the others GQA with half the heads.
-MODELS = {"0.4b": (1024, 16, 8), "0.8b": (1280, 16, 8), "1b": (1536, 24, 12), "5b": (2432, 32, 16)}
-N_TOKENS = 9 + 64 * 48  # CLS + 8 registers + the patches of a 1024 x 768 image at patch size 16
-
-# Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, and HBM bandwidth, GB/s, from the datasheets.
-PEAKS = {"H200": (989.4, 4800.0), "H100": (989.4, 3350.0), "A100": (312.0, 2039.0), "L40S": (362.0, 864.0)}
+IMAGE = (1024, 768)
 
 
-def device_peaks(name: str):
-    for key, peaks in PEAKS.items():
-        if key in name:
-            return peaks
-    return None, None
+def preset_shapes(preset: str, batch: int, image=IMAGE):
+    """[(label, B, Hq, Hkv, N, D)] for the preset's attention blocks (full attention, then GQA), from
+    sapiens2.PRESETS: the one home of the architectures and of the prefix-token count."""
+    config = PRESETS[preset]
+    N = config.num_prefix_tokens + (image[0] // config.patch_size) * (image[1] // config.patch_size)
+    kv_heads = sorted(set(config.layer_kv_heads), reverse=True)
+    return [(preset, batch, config.num_heads, kv, N, config.head_dim) for kv in kv_heads]
+
+
+def num_patches(model: str, N: int) -> int:
+    return N - PRESETS[model.split("@")[0]].num_prefix_tokens
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -103,17 +106,21 @@ def make_qkv(B, HQ, HKV, N, D, dtype, device, grad=False):
     return [t.requires_grad_(grad) for t in (q, k, v)]
 
 
-def attention_impls(device: str, with_backends: bool, batch: int):
-    impls = {"reference": attention_reference, "compiled_reference": torch.compile(attention_reference)}
+def attention_impls(device: str, with_backends: bool, batch: int, with_compile: bool):
+    impls = {"reference": attention_reference}
+    if with_compile:
+        impls["compiled_reference"] = torch.compile(attention_reference)
     if device == "cuda":
+        import kernels
         from kernels.attention_triton import attention_triton
 
-        impls = {"triton": attention_triton, **impls}
+        # auto: what the default dispatch runs (the faster of the two, timed once per case)
+        impls = {"triton": attention_triton, "auto": kernels.attention, **impls}
     if with_backends:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-                    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+        backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
         if batch == 1:
             backends["sdpa_math"] = SDPBackend.MATH
 
@@ -127,14 +134,14 @@ def attention_impls(device: str, with_backends: bool, batch: int):
     return impls
 
 
-def bench_attention(rows, device, shapes, dtype, reps, peak_tflops, with_backward, with_backends):
+def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward, with_backends, with_compile):
     for model, B, HQ, HKV, N, D in shapes:
         fwd_flops = 4 * B * HQ * N * N * D
-        for impl, fn in attention_impls(device, with_backends, B).items():
+        for impl, fn in attention_impls(device, with_backends, B, with_compile).items():
             q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device)
             ms, err = try_time(lambda: fn(q, k, v), device, reps)
-            rows.append(row("attention", "fwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
-                            tflops=fwd_flops, peak_tflops=peak_tflops))
+            rec.add(row("attention", "fwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
+                        tflops=fwd_flops, peak_tflops=peak_tflops))
             if with_backward:
                 q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device, grad=True)
                 do = torch.randn_like(q)
@@ -142,19 +149,21 @@ def bench_attention(rows, device, shapes, dtype, reps, peak_tflops, with_backwar
                 def fwd_bwd():
                     torch.autograd.grad(fn(q, k, v), (q, k, v), do)
                 ms, err = try_time(fwd_bwd, device, reps)
-                rows.append(row("attention", "fwd+bwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
-                                tflops=3.5 * fwd_flops, peak_tflops=peak_tflops))
+                rec.add(row("attention", "fwd+bwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
+                            tflops=3.5 * fwd_flops, peak_tflops=peak_tflops))
             del q, k, v
 
 
-def bench_qk_norm_rope(rows, device, shapes, dtypes, reps, copy_gbs):
-    impls = {"reference": qk_norm_rope_reference, "compiled_reference": torch.compile(qk_norm_rope_reference)}
+def bench_qk_norm_rope(rec, device, shapes, dtypes, reps, copy_gbs, with_compile):
+    impls = {"reference": qk_norm_rope_reference}
+    if with_compile:
+        impls["compiled_reference"] = torch.compile(qk_norm_rope_reference)
     if device == "cuda":
         from kernels.qk_norm_rope_triton import qk_norm_rope_triton
 
         impls = {"triton": qk_norm_rope_triton, **impls}
     for model, B, HQ, HKV, N, D in shapes:
-        P = N - 9
+        P = num_patches(model, N)
         for dtype, rope_dtype in dtypes:
             q, k, _ = make_qkv(B, HQ, HKV, N, D, dtype, device)
             w = torch.ones(D, device=device)
@@ -167,8 +176,8 @@ def bench_qk_norm_rope(rows, device, shapes, dtypes, reps, copy_gbs):
                 r["rope_dtype"] = str(rope_dtype).replace("torch.", "")
                 if ms is not None:
                     r["GB/s"] = nbytes / (ms * 1e-3) / 1e9
-                    r["frac_copy_bw"] = r["GB/s"] / copy_gbs
-                rows.append(r)
+                    r["frac_copy_bw"] = r["GB/s"] / copy_gbs if copy_gbs else None
+                rec.add(r)
 
 
 def row(op, pas, impl, model, B, N, HQ, HKV, D, dtype, ms, err, tflops=None, peak_tflops=None):
@@ -187,17 +196,38 @@ def row(op, pas, impl, model, B, N, HQ, HKV, D, dtype, ms, err, tflops=None, pea
 # Main
 # ----------------------------------------------------------------------------------------------------
 
+COLUMNS = ["op", "pass", "model", "B", "Hq", "Hkv", "D", "dtype", "rope_dtype", "impl", "ms_median", "TFLOP/s",
+           "GB/s", "frac_peak", "frac_copy_bw"]
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+class Recorder:
+    """Rows as they are measured: printed at once and the JSON rewritten, so a run that is cut short keeps
+    everything it measured."""
+
+    def __init__(self, info: dict, out: pathlib.Path):
+        self.info, self.out, self.rows = info, out, []
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, r: dict):
+        self.rows.append(r)
+        cells = [f"{c}={'n/a' if c == 'ms_median' and r.get('error') else fmt(r.get(c))}" for c in COLUMNS if c in r]
+        print("row " + " ".join(cells) + (f" error={r['error']}" if r.get("error") else ""), flush=True)
+        self.save()
+
+    def save(self):
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        tmp.write_text(json.dumps({**self.info, "rows": self.rows}, indent=1) + "\n")
+        tmp.replace(self.out)
+
 
 def print_table(rows):
-    cols = ["op", "pass", "model", "B", "Hq", "Hkv", "D", "dtype", "rope_dtype", "impl", "ms_median", "TFLOP/s", "GB/s",
-            "frac_peak", "frac_copy_bw"]
-    cols = [c for c in cols if any(c in r for r in rows)]
-
-    def fmt(v):
-        if v is None:
-            return "-"
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
     table = [[fmt(r.get(c)) if not (c == "ms_median" and r.get("error")) else "n/a" for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
@@ -208,36 +238,33 @@ def print_table(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="CUDA: 0.4b and 5b, batch 8 only (forward + backward)")
+    ap.add_argument("--presets", default="0.4b,0.8b,1b,5b", help="CUDA: comma-separated (default: %(default)s)")
+    ap.add_argument("--batches", default="8,1", help="CUDA: comma-separated (default: %(default)s)")
+    ap.add_argument("--ops", default="attention,qk_norm_rope",
+                    help="in this order; 'copy' adds a row for the copy ceiling (always measured on CUDA)")
+    ap.add_argument("--quick", action="store_true", help="CUDA: --presets 0.4b,5b --batches 8")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--with-compile", action="store_true", help="also torch.compile(reference) (slow cold compiles)")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: bench/results/...)")
     args = ap.parse_args()
     device = args.device
     torch.manual_seed(0)
+    if args.quick:
+        args.presets, args.batches = "0.4b,5b", "8"
 
     info = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)",
-            "torch": torch.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
+            "versions": versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device == "cuda":
-        info["cuda"] = torch.version.cuda
-        peak_tflops, hbm_gbs = device_peaks(info["device"])
+        peak_tflops, hbm_gbs = device_peaks(info["device"], "bf16")
         info["peak_bf16_dense_TFLOP/s"], info["datasheet_hbm_GB/s"] = peak_tflops, hbm_gbs
-        models = ["0.4b", "5b"] if args.quick else list(MODELS)
-        batches = [8] if args.quick else [1, 8]
         attn_shapes, qk_shapes = [], []
-        for m in models:
-            C, HQ, HKV = MODELS[m]
-            for B in batches:
-                attn_shapes += [(m, B, HQ, HQ, N_TOKENS, C // HQ), (m, B, HQ, HKV, N_TOKENS, C // HQ)]
-                qk_shapes += [(m, B, HQ, HKV, N_TOKENS, C // HQ)]
+        for B in map(int, args.batches.split(",")):
+            for preset in args.presets.split(","):
+                shapes = preset_shapes(preset, B)
+                attn_shapes += shapes
+                qk_shapes += shapes[-1:]  # the GQA block's heads
         dtype, reps = torch.bfloat16, 20
-        qk_dtypes = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+        qk_dtypes = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
         with_backends = True
     else:
         # One intra-op thread: on a small shared CI box a multi-threaded pool stalls whenever another process
@@ -245,25 +272,38 @@ def main():
         torch.set_num_threads(1)
         peak_tflops = None
         # Small shapes: 0.4b's heads at a 128 x 96 image (N = 9 + 8 * 6 = 57) and 0.8b's head dim 80.
-        attn_shapes = [("0.4b@128x96", 1, 16, 8, 57, 64), ("0.8b@128x96", 1, 16, 8, 57, 80)]
+        attn_shapes = [(f"{m}@128x96", *shape[1:]) for m in ("0.4b", "0.8b")
+                       for shape in preset_shapes(m, 1, (128, 96))[-1:]]
         qk_shapes = attn_shapes
         dtype, reps = torch.float32, 15
         qk_dtypes = [(torch.float32, torch.bfloat16), (torch.float32, torch.float32)]
         with_backends = False
-    info["copy_GB/s_measured"] = copy_gbs = copy_bandwidth_gbs(device)
+        args.with_compile = True  # the CPU comparison is reference vs compiled
 
-    rows = []
-    t0 = time.time()
-    bench_qk_norm_rope(rows, device, qk_shapes, qk_dtypes, reps, copy_gbs)
-    bench_attention(rows, device, attn_shapes, dtype, reps, peak_tflops, not args.no_backward, with_backends)
-    info["bench_seconds"] = round(time.time() - t0, 1)
-
-    print(json.dumps(info))
-    print_table(rows)
     tag = "cpu" if device == "cpu" else "".join(ch for ch in info["device"].split()[-1].lower() if ch.isalnum())
     out = args.out or ROOT / "bench" / "results" / f"kernels_{tag}{'_quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
+    rec = Recorder(info, out)
+    print(json.dumps(info), flush=True)
+    t0 = time.time()
+    info["copy_GB/s_measured"] = copy_gbs = copy_bandwidth_gbs(device)
+    for op in args.ops.split(","):
+        if op == "copy":
+            rec.add({"op": "copy", "pass": "-", "impl": "torch copy_ 1 GiB" if device == "cuda" else "torch copy_",
+                     "GB/s": copy_gbs})
+        elif op == "attention":
+            bench_attention(rec, device, attn_shapes, dtype, reps, peak_tflops, not args.no_backward,
+                            with_backends, args.with_compile)
+        elif op == "qk_norm_rope":
+            bench_qk_norm_rope(rec, device, qk_shapes, qk_dtypes, reps, copy_gbs, args.with_compile)
+        else:
+            ap.error(f"--ops: unknown op {op!r}")
+    info["bench_seconds"] = round(time.time() - t0, 1)
+    if device == "cuda":
+        from kernels import dispatch
+
+        info["auto_decisions"] = dispatch.decisions()
+    rec.save()
+    print_table(rec.rows)
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
 

@@ -12,7 +12,7 @@ projection is free).
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from .dispatch import case_key, use_triton
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
@@ -34,8 +34,28 @@ def _attention_triton(q, k, v, scale):
     return attention_triton(q, k, v, scale)
 
 
+def _race(q, k, v, scale):
+    """(case key, run Triton, run the reference) on these inputs, for dispatch.faster: the forward alone
+    for inference, forward + backward when the call will train."""
+    key = case_key("attention", q, k, v)
+    if key.endswith("|infer"):
+        def timed(fn):
+            def run():
+                with torch.no_grad():
+                    fn(q, k, v, scale)
+            return run
+    else:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        grad_out = torch.randn_like(q)
+
+        def timed(fn):
+            return lambda: torch.autograd.grad(fn(*leaves, scale), leaves, grad_out)
+    return key, timed(_attention_triton), timed(attention_reference)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """q (B, Hq, N, D), k/v (B, Hkv, N, D) -> o (B, Hq, N, D)."""
-    if use_triton("attention", _attention_triton is not None, q, k, v):
+    """q (B, Hq, N, D), k/v (B, Hkv, N, D) -> o (B, Hq, N, D). On CUDA by default the faster of Triton and
+    SDPA for this case (timed once, see kernels/dispatch.py)."""
+    if use_triton("attention", _attention_triton is not None, q, k, v, race=lambda: _race(q, k, v, scale)):
         return _attention_triton(q, k, v, scale)
     return attention_reference(q, k, v, scale)

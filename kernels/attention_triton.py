@@ -30,7 +30,7 @@ is what makes the loads fast); Hq % Hkv == 0.
 Block sizes: autotuned on CUDA (key: N, B * Hq, D, dtype) over configurations chosen for Hopper (H100/H200:
 128 x 64 and 128 x 128 tiles with 8 warps for big grids, 64-row tiles when B * Hq * cdiv(N, 128) leaves
 SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTERPRET=1).
-Not done here (see bench/gpu_check.sh): TMA tensor descriptors and warp specialization. The (B, N, H, D)
+Not done here (no GPU to validate them yet): TMA tensor descriptors and warp specialization. The (B, N, H, D)
 layout with D = 76 puts odd heads at addresses that are not 16-byte aligned, which TMA requires, so a TMA
 path needs its own dispatch; it is left for a session with a GPU to validate it.
 """
@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid_triton import aligned_heads, check_image_elements, flat_grid, program_coords
+
 LOG2E = 1.4426950408889634
 
 # ----------------------------------------------------------------------------------------------------
@@ -49,14 +51,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """a @ b with fp32 accumulation. UPCAST_DOT (set only when interpreting on CPU) widens the operands to
-    fp32 first: the Triton interpreter multiplies bf16 operands as their raw 16-bit integers. Products of
-    bf16/fp16 values are exact in fp32, so this computes what the tensor cores compute."""
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc + a @ b (acc None: a @ b) with fp32 accumulation. Passing the accumulator into the dot (instead of
+    adding its result) accumulates inside the wgmma, so the result need not be waited for and added before
+    the next step. UPCAST_DOT (set only when interpreting on CPU) widens the operands to fp32 first: the
+    Triton interpreter multiplies bf16 operands as their raw 16-bit integers. Products of bf16/fp16 values
+    are exact in fp32, so this computes what the tensor cores compute."""
     if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -81,7 +85,7 @@ def _attn_fwd_tile(
     else:
         kt0 = tl.load(kt_ptrs)
         v0 = tl.load(v_ptrs)
-    s = _dot(q0, kt0, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N) fp32
+    s = _dot(q0, kt0, None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N) fp32
     if D1 > 0:
         offs_d1 = D0 + tl.arange(0, D1)
         mask_d1 = offs_d1 < HEAD_DIM
@@ -89,7 +93,7 @@ def _attn_fwd_tile(
                       mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
         v1 = tl.load(v_base + offs_n[:, None] * svn + offs_d1[None, :] * svd,
                      mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
-        s += _dot(q1, kt1, DOT_PRECISION, UPCAST_DOT)
+        s = _dot(q1, kt1, s, DOT_PRECISION, UPCAST_DOT)
     if MASK_N:
         s = tl.where(mask_n[None, :], s, float("-inf"))
 
@@ -98,9 +102,9 @@ def _attn_fwd_tile(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(v0.dtype)
-    acc0 = acc0 * alpha[:, None] + _dot(p, v0, DOT_PRECISION, UPCAST_DOT)
+    acc0 = _dot(p, v0, acc0 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        acc1 = acc1 * alpha[:, None] + _dot(p, v1, DOT_PRECISION, UPCAST_DOT)
+        acc1 = _dot(p, v1, acc1 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     return acc0, acc1, m_new, l_i
 
 
@@ -115,11 +119,10 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_M), B * Hq); axis 0 fastest, so all query tiles of one head run together."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
+    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs, tiles fastest (grid_triton.py)."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+    start_m = tile * BLOCK_M
+    bh = b * HQ + h
     g = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d0 = tl.arange(0, D0)
@@ -173,10 +176,9 @@ def _attn_bwd_delta_kernel(
     N, HQ, sob, soh, son, sod, sgb, sgh, sgn, sgd,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+    bh = b * HQ + h
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod, mask=mask, other=0.0)
@@ -197,15 +199,14 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), B * Hkv): BLOCK_N keys of one (b, g), summed over the GROUP query heads of g.
+    """Flat grid of cdiv(N, BLOCK_N) * B * Hkv programs: BLOCK_N keys of one (b, g), summed over the GROUP
+    query heads of g.
 
     Transposed formulation (rows = keys): pT = exp2(k q^T * qk_scale - lse), dV += pT dO,
     dpT = v dO^T, dsT = pT * (dpT - delta), dK += dsT q (times scale at the end).
     """
-    start_n = tl.program_id(0) * BLOCK_N
-    bg = tl.program_id(1)
-    b = bg // HKV
-    g = bg % HKV
+    tile, b, g = program_coords(tl.cdiv(N, BLOCK_N), HKV)
+    start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
@@ -241,21 +242,21 @@ def _attn_bwd_dkdv_kernel(
         lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=float("inf"))
         delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=0.0)
 
-        qkT = _dot(k0, tl.trans(q0), DOT_PRECISION, UPCAST_DOT)  # (BLOCK_N, BLOCK_M)
+        qkT = _dot(k0, tl.trans(q0), None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_N, BLOCK_M)
         if D1 > 0:
             q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
             do1 = tl.load(do_rows + offs_d1[None, :] * sgd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-            qkT += _dot(k1, tl.trans(q1), DOT_PRECISION, UPCAST_DOT)
+            qkT = _dot(k1, tl.trans(q1), qkT, DOT_PRECISION, UPCAST_DOT)
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-        dv0 += _dot(pT.to(do0.dtype), do0, DOT_PRECISION, UPCAST_DOT)
-        dpT = _dot(v0, tl.trans(do0), DOT_PRECISION, UPCAST_DOT)
+        dv0 = _dot(pT.to(do0.dtype), do0, dv0, DOT_PRECISION, UPCAST_DOT)
+        dpT = _dot(v0, tl.trans(do0), None, DOT_PRECISION, UPCAST_DOT)
         if D1 > 0:
-            dv1 += _dot(pT.to(do1.dtype), do1, DOT_PRECISION, UPCAST_DOT)
-            dpT += _dot(v1, tl.trans(do1), DOT_PRECISION, UPCAST_DOT)
+            dv1 = _dot(pT.to(do1.dtype), do1, dv1, DOT_PRECISION, UPCAST_DOT)
+            dpT = _dot(v1, tl.trans(do1), dpT, DOT_PRECISION, UPCAST_DOT)
         dsT = (pT * (dpT - delta[None, :])).to(q0.dtype)
-        dk0 += _dot(dsT, q0, DOT_PRECISION, UPCAST_DOT)
+        dk0 = _dot(dsT, q0, dk0, DOT_PRECISION, UPCAST_DOT)
         if D1 > 0:
-            dk1 += _dot(dsT, q1, DOT_PRECISION, UPCAST_DOT)
+            dk1 = _dot(dsT, q1, dk1, DOT_PRECISION, UPCAST_DOT)
 
     dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
     dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
@@ -287,8 +288,8 @@ def _attn_bwd_dq_tile(
     else:
         k0 = tl.load(k_ptrs)
         vt0 = tl.load(vt_ptrs)
-    s = _dot(q0, tl.trans(k0), DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N)
-    dp = _dot(do0, vt0, DOT_PRECISION, UPCAST_DOT)
+    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N)
+    dp = _dot(do0, vt0, None, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
         offs_d1 = D0 + tl.arange(0, D1)
         mask_d1 = offs_d1 < HEAD_DIM
@@ -296,15 +297,15 @@ def _attn_bwd_dq_tile(
                      mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
         vt1 = tl.load(v_base + offs_n[None, :] * svn + offs_d1[:, None] * svd,
                       mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
-        s += _dot(q1, tl.trans(k1), DOT_PRECISION, UPCAST_DOT)
-        dp += _dot(do1, vt1, DOT_PRECISION, UPCAST_DOT)
+        s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
+        dp = _dot(do1, vt1, dp, DOT_PRECISION, UPCAST_DOT)
     p = tl.math.exp2(s * qk_scale - lse[:, None])
     if MASK_N:
         p = tl.where(mask_n[None, :], p, 0.0)
     ds = (p * (dp - delta[:, None])).to(k0.dtype)
-    dq0 += _dot(ds, k0, DOT_PRECISION, UPCAST_DOT)
+    dq0 = _dot(ds, k0, dq0, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        dq1 += _dot(ds, k1, DOT_PRECISION, UPCAST_DOT)
+        dq1 = _dot(ds, k1, dq1, DOT_PRECISION, UPCAST_DOT)
     return dq0, dq1
 
 
@@ -320,11 +321,10 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_M), B * Hq): dQ = scale * sum over key tiles of (P * (dP - delta)) K."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
+    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of (P * (dP - delta)) K."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+    start_m = tile * BLOCK_M
+    bh = b * HQ + h
     g = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d0 = tl.arange(0, D0)
@@ -378,13 +378,14 @@ def _configs(shapes):
 
 
 # (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
-# wgmma) when the grid is large, 64-row tiles to fill the 132 SMs at batch 1.
-# (ptxas for sm_90a, run on CPU: all of them compile to wgmma without register spills at D = 64 and 80, except
-# a few bytes in the 4-warp backward tiles at D = 80; 128 x 64 with 4 warps spilled and is not listed.)
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4),
-                         (64, 64, 4, 4), (64, 128, 4, 3)])
+# wgmma) when the grid is large, 64-row tiles to fill the 132 SMs at batch 1. Every configuration the
+# autotuner may pick is compiled for sm_90a and read back by bench/inspect_kernels.py (no GPU needed; table
+# in bench/results/inspect_kernels_sm90a.json): all use wgmma and cp.async, none spills at D = 64, 80 and
+# 76. Pruned as unable to win: forward 128 x 32 with 4 warps (a 128-row tile on one warpgroup, 184
+# registers, and N = 32 wgmmas), and the 4-warp dQ tile with BLOCK_N = 32.
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)])
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
 # fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
 # stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
 _FWD_CONFIGS_FP32 = _configs([(128, 32, 8, 2), (64, 32, 4, 2)])
@@ -403,11 +404,23 @@ _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
 
 # Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+# When set (the CUDA tests set it), these tiles replace autotuning everywhere: a few compiles instead of one
+# per configuration, shape and dtype.
+PINNED_BLOCKS: dict | None = None
+
+
+def compiled_for_gpu(t: torch.Tensor) -> bool:
+    """True when the kernels are compiled for the GPU (CUDA tensors); False in the CPU interpreter. The one
+    place that ties the launch choices below to the device (bench/inspect_kernels.py overrides it to compile
+    the CUDA configurations ahead of time, with no GPU)."""
+    return t.is_cuda
 
 
 def _launch(kernel, name, grid, args, consts, blocks):
-    """Run the autotuned `name` kernel on CUDA unless `blocks` fixes the tiles; the plain kernel otherwise."""
-    if blocks is None and args[0].is_cuda:
+    """Run the autotuned `name` kernel on CUDA unless `blocks` (or PINNED_BLOCKS) fixes the tiles; the plain
+    kernel otherwise."""
+    blocks = blocks if blocks is not None else PINNED_BLOCKS
+    if blocks is None and compiled_for_gpu(args[0]):
         tuned = _TUNED[name, args[0].dtype == torch.float32]
         tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
     else:
@@ -438,7 +451,7 @@ def _dot_precision(q: torch.Tensor) -> str:
     Interpreter: "ieee" (exact)."""
     if q.dtype != torch.float32:
         return "tf32"  # ignored for fp16/bf16 operands
-    if not q.is_cuda:
+    if not compiled_for_gpu(q):
         return "ieee"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
@@ -477,6 +490,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
     num_stages) instead of autotuning."""
     _check(q, k, v)
+    q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # 5b: a copy of the unaligned ones
     B, HQ, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     D0, D1 = _head_dim_chunks(D)
@@ -484,14 +498,16 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
     args = (q, k, v, o, lse, N, HQ, HQ // k.shape[1], scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q), UPCAST_DOT=not q.is_cuda)
-    _launch(_attn_fwd_kernel, "fwd", lambda bm, bn: (triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q), UPCAST_DOT=not compiled_for_gpu(q))
+    check_image_elements(q, k, v, o)
+    _launch(_attn_fwd_kernel, "fwd", lambda bm, bn: flat_grid(triton.cdiv(N, bm), B * HQ), args, consts, blocks)
     return o, lse
 
 
 def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
     """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous viewed as (B, H, N, D), or
     the `out` triple."""
+    q, k, v, o, do = (aligned_heads(t) for t in (q, k, v, o, do))  # 5b: copies of the unaligned ones
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
@@ -499,8 +515,9 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
     precision = _dot_precision(q)
 
     delta = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
-    block_m = 64 if q.is_cuda else 16
-    _attn_bwd_delta_kernel[(triton.cdiv(N, block_m), B * HQ)](
+    block_m = 64 if compiled_for_gpu(q) else 16
+    check_image_elements(q, k, v, o, do)
+    _attn_bwd_delta_kernel[flat_grid(triton.cdiv(N, block_m), B * HQ)](
         o, do, delta, N, HQ, *o.stride(), *do.stride(),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
@@ -510,14 +527,14 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
         dq = _empty_bnhd(q.shape, q.dtype, q.device)
         dk = _empty_bnhd(k.shape, k.dtype, k.device)
         dv = _empty_bnhd(v.shape, v.dtype, v.device)
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not q.is_cuda)
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not compiled_for_gpu(q))
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), B * HKV)
-    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda bm, bn: (triton.cdiv(N, bn), B * HKV), args, consts,
+    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda bm, bn: flat_grid(triton.cdiv(N, bn), B * HKV), args, consts,
             blocks)
     args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ)
-    _launch(_attn_bwd_dq_kernel, "dq", lambda bm, bn: (triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    _launch(_attn_bwd_dq_kernel, "dq", lambda bm, bn: flat_grid(triton.cdiv(N, bm), B * HQ), args, consts, blocks)
     return dq, dk, dv
 
 
@@ -529,6 +546,7 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):
+        q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # saved aligned: no copy again
         o, lse = attention_fwd(q, k, v, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale = scale

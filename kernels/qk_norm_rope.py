@@ -67,6 +67,10 @@ def _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps):
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
     """q (B, Hq, N, D), k (B, Hkv, N, D), weights (D,), cos/sin (P, D) -> normalized and rotated (q, k)."""
-    if use_triton("qk_norm_rope", _qk_norm_rope_triton is not None, q, k):
+    # The kernel gives the RoPE tables no gradient (the model's tables are buffers): tables that learn take
+    # the reference (auto) or are refused (SAPIENS2_KERNELS=triton).
+    tables_learn = cos.requires_grad or sin.requires_grad
+    unsupported = "gives cos/sin no gradient, and they require one" if tables_learn else None
+    if use_triton("qk_norm_rope", _qk_norm_rope_triton is not None, q, k, unsupported=unsupported):
         return _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)

@@ -31,13 +31,17 @@ then RMSNorm's backward with x_hat = x * r and g = dy * w,
 (dw from deterministic per-program partial sums, reduced by torch). cos/sin get no gradient.
 
 Limits: D even with D/2 <= 512 (one program holds BLOCK_N full head vectors); q and k share a dtype
-(fp32, bf16 or fp16); any strides for every tensor; outputs are (B, N, H, D)-contiguous memory viewed as
-(B, H, N, D), the layout the attention kernel and the head merge like.
+(fp32, bf16 or fp16); any strides for every tensor; outputs are (B, N, H, D) memory viewed as (B, H, N, D),
+the layout the attention kernel and the head merge like, with each head of the forward's outputs stored in
+a multiple of 16 columns (5b: 80 for 76, norm and rotation over the true 76) so that attention reads them
+aligned (kernels/grid_triton.py).
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from .grid_triton import check_image_elements, empty_heads, flat_grid, program_coords
 
 # ----------------------------------------------------------------------------------------------------
 # Kernels
@@ -49,11 +53,13 @@ def _round(x, dtype: tl.constexpr):
     """x (fp32) rounded to `dtype` (round to nearest even) and widened back to fp32: the rounding of one
     PyTorch op in `dtype`. bf16 rounds by integer arithmetic on the fp32 bits (keep the top 16 bits, add half
     an ulp plus the tie-to-even bit first) because the Triton interpreter truncates fp32 -> bf16 casts; that
-    gives the compiled cast's result (and PyTorch's) everywhere, inf and NaN included."""
+    gives the compiled cast's result (and PyTorch's) for every finite value and for inf. NaN passes through
+    unchanged: the bit trick would carry NVIDIA's canonical NaN 0x7FFFFFFF into the sign bit (-0.0), and
+    0xFFFFFFFF to +0.0 (tests/test_kernels.py feeds those bit patterns)."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     else:
         return x.to(dtype).to(tl.float32)
 
@@ -70,6 +76,7 @@ def _norm_rope_fwd_tile(
     HALF: tl.constexpr,  # D / 2
     BLOCK_N: tl.constexpr,  # tokens per program
     BLOCK_H: tl.constexpr,  # next power of two >= HALF
+    X_ALIGN: tl.constexpr,  # a power of two (<= 16) dividing the batch/head strides of x and the table rows
 ):
     in_dtype = x_ptr.dtype.element_ty
     rope_dtype = cos_ptr.dtype.element_ty  # the reference rotates in cos.dtype
@@ -79,8 +86,9 @@ def _norm_rope_fwd_tile(
     mask_d = offs_d < HALF
     mask = mask_n[:, None] & mask_d[None, :]
 
-    # x as its two halves [x1 | x2], each (BLOCK_N, BLOCK_H), fp32.
-    x_rows = x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn
+    # x as its two halves [x1 | x2], each (BLOCK_N, BLOCK_H), fp32. The alignment hint lets 5b's heads
+    # (76 elements: 8-byte aligned) load in pairs instead of 16-bit scalars.
+    x_rows = x_ptr + tl.multiple_of(b * sxb + h * sxh, X_ALIGN) + offs_n[:, None] * sxn
     x1 = tl.load(x_rows + offs_d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + (offs_d[None, :] + HALF) * sxd, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -96,8 +104,8 @@ def _norm_rope_fwd_tile(
     p = offs_n - (N - P)  # position in the tables; negative for the prefix tokens
     is_patch = mask_n & (p >= 0)
     tmask = is_patch[:, None] & mask_d[None, :]
-    c_rows = cos_ptr + p[:, None] * scn
-    s_rows = sin_ptr + p[:, None] * ssn
+    c_rows = cos_ptr + tl.multiple_of(p * scn, X_ALIGN)[:, None]
+    s_rows = sin_ptr + tl.multiple_of(p * ssn, X_ALIGN)[:, None]
     c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
     c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
     s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
@@ -122,21 +130,20 @@ def _qk_norm_rope_fwd_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd,  # q, k strides
     soqb, soqh, soqn, soqd, sokb, sokh, sokn, sokd,  # output strides
     scn, scd, ssn, ssd,  # cos, sin strides
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), B * (Hq + Hkv)): axis 1 enumerates the q heads of every image, then the k heads."""
-    n_start = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    num_q = tl.num_programs(1) // (HQ + HKV) * HQ  # B * Hq
-    if bh < num_q:
-        _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, sin_ptr, bh // HQ, bh % HQ, n_start, N, P, eps,
+    """Flat grid of cdiv(N, BLOCK_N) * B * (Hq + Hkv) programs (grid_triton.py): head h < Hq of image b is
+    q head h, the others k head h - Hq."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_N), HQ + HKV)
+    n_start = tile * BLOCK_N
+    if h < HQ:
+        _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, sin_ptr, b, h, n_start, N, P, eps,
                             sqb, sqh, sqn, sqd, soqb, soqh, soqn, soqd, scn, scd, ssn, ssd,
-                            HALF, BLOCK_N, BLOCK_H)
+                            HALF, BLOCK_N, BLOCK_H, X_ALIGN)
     else:
-        bh = bh - num_q
-        _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, sin_ptr, bh // HKV, bh % HKV, n_start, N, P, eps,
+        _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, sin_ptr, b, h - HQ, n_start, N, P, eps,
                             skb, skh, skn, skd, sokb, sokh, sokn, sokd, scn, scd, ssn, ssd,
-                            HALF, BLOCK_N, BLOCK_H)
+                            HALF, BLOCK_N, BLOCK_H, X_ALIGN)
 
 
 @triton.jit
@@ -149,7 +156,7 @@ def _norm_rope_bwd_tile(
     sgb, sgh, sgn, sgd,  # do strides
     sdb, sdh, sdn, sdd,  # dx strides
     scn, scd, ssn, ssd,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_H)
@@ -157,10 +164,10 @@ def _norm_rope_bwd_tile(
     mask_d = offs_d < HALF
     mask = mask_n[:, None] & mask_d[None, :]
 
-    x_rows = x_ptr + b * sxb + h * sxh + offs_n[:, None] * sxn
+    x_rows = x_ptr + tl.multiple_of(b * sxb + h * sxh, X_ALIGN) + offs_n[:, None] * sxn
     x1 = tl.load(x_rows + offs_d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + (offs_d[None, :] + HALF) * sxd, mask=mask, other=0.0).to(tl.float32)
-    g_rows = do_ptr + b * sgb + h * sgh + offs_n[:, None] * sgn
+    g_rows = do_ptr + tl.multiple_of(b * sgb + h * sgh, X_ALIGN) + offs_n[:, None] * sgn
     do1 = tl.load(g_rows + offs_d[None, :] * sgd, mask=mask, other=0.0).to(tl.float32)
     do2 = tl.load(g_rows + (offs_d[None, :] + HALF) * sgd, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -169,8 +176,8 @@ def _norm_rope_bwd_tile(
     # Rotation transposed (patch tokens); the prefix passes do through (c = 1, s = 0 there).
     p = offs_n - (N - P)
     tmask = (mask_n & (p >= 0))[:, None] & mask_d[None, :]
-    c_rows = cos_ptr + p[:, None] * scn
-    s_rows = sin_ptr + p[:, None] * ssn
+    c_rows = cos_ptr + tl.multiple_of(p * scn, X_ALIGN)[:, None]
+    s_rows = sin_ptr + tl.multiple_of(p * ssn, X_ALIGN)[:, None]
     c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
     c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
     s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
@@ -202,31 +209,29 @@ def _norm_rope_bwd_tile(
 def _qk_norm_rope_bwd_kernel(
     q_ptr, k_ptr, doq_ptr, dok_ptr, dq_ptr, dk_ptr,  # (B, H, N, D) tensors of any strides
     wq_ptr, wk_ptr,  # (D,) weights
-    dw_part_ptr,  # (programs, D) fp32 partial sums of dw; row = program_id(1) * num_programs(0) + program_id(0)
+    dw_part_ptr,  # (programs, D) fp32 partial sums of dw, one row per program (= program_id(0))
     cos_ptr, sin_ptr,
     N, P, HQ, HKV, eps,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd,
     sgqb, sgqh, sgqn, sgqd, sgkb, sgkh, sgkn, sgkd,  # doq, dok strides
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd,  # dq, dk strides
     scn, scd, ssn, ssd,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    """Same grid as the forward; the q programs' dw rows come first, then the k programs'."""
-    n_start = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    dw_row = dw_part_ptr + (bh * tl.num_programs(0) + tl.program_id(0)) * (2 * HALF)
-    num_q = tl.num_programs(1) // (HQ + HKV) * HQ
-    if bh < num_q:
+    """Same grid as the forward; dw rows in program order, i.e. a (B, Hq + Hkv, tiles, D) array."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_N), HQ + HKV)
+    n_start = tile * BLOCK_N
+    dw_row = dw_part_ptr + tl.program_id(0).to(tl.int64) * (2 * HALF)
+    if h < HQ:
         _norm_rope_bwd_tile(q_ptr, doq_ptr, dq_ptr, wq_ptr, dw_row, cos_ptr, sin_ptr,
-                            bh // HQ, bh % HQ, n_start, N, P, eps,
+                            b, h, n_start, N, P, eps,
                             sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, sdqd,
-                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
+                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H, X_ALIGN)
     else:
-        bh = bh - num_q
         _norm_rope_bwd_tile(k_ptr, dok_ptr, dk_ptr, wk_ptr, dw_row, cos_ptr, sin_ptr,
-                            bh // HKV, bh % HKV, n_start, N, P, eps,
+                            b, h - HQ, n_start, N, P, eps,
                             skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, sdkd,
-                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H)
+                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H, X_ALIGN)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,6 +247,17 @@ def _block_sizes(head_dim: int, block_n: int | None):
     if block_n is None:
         block_n = max(1, min(64, 4096 // (2 * block_h)))
     return block_n, block_h
+
+
+def _alignment(cos, sin, *tensors) -> int:
+    """The largest power of two <= 16 that divides every batch and head stride of these (B, H, N, D) tensors
+    and the row strides of the tables: the X_ALIGN hint (5b, heads of 76 in (B, N, H, 76) memory: 4)."""
+    align = 16
+    strides = [cos.stride(0), sin.stride(0)] + [s for t in tensors for s in t.stride()[:2]]
+    for stride in strides:
+        while stride % align:
+            align //= 2
+    return align
 
 
 def _check(q, k, q_weight, k_weight, cos, sin):
@@ -283,19 +299,24 @@ def _check_out(out, *likes):
 
 def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, block_n: int | None = None,
                      out=None):
-    """The forward launch (no autograd). Returns (q_out, k_out): new tensors, (B, N, H, D)-contiguous viewed as
-    (B, H, N, D), or the given `out` pair (any strides; the tests pass NaN-filled ones)."""
+    """The forward launch (no autograd). Returns (q_out, k_out): new tensors in (B, N, H, D) memory viewed as
+    (B, H, N, D), each head stored in grid_triton.padded_head_dim(D) columns (76 -> 80), or the given `out`
+    pair (any strides; the tests pass NaN-filled ones)."""
     _check(q, k, q_weight, k_weight, cos, sin)
     B, HQ, N, D = q.shape
     HKV, P = k.shape[1], cos.shape[0]
-    oq, ok = _check_out(out, q, k) if out is not None else (_empty_bnhd(q), _empty_bnhd(k))
+    if out is not None:
+        oq, ok = _check_out(out, q, k)
+    else:  # heads padded to a multiple of 16 (5b: 80 of 76), so that attention loads them aligned
+        oq, ok = (empty_heads(*t.shape, t.dtype, t.device) for t in (q, k))
+    check_image_elements(q, k, oq, ok)
     BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
-    grid = (triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
+    grid = flat_grid(triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
     _qk_norm_rope_fwd_kernel[grid](
         q, k, oq, ok, q_weight, k_weight, cos, sin,
         N, P, HQ, HKV, eps,
         *q.stride(), *k.stride(), *oq.stride(), *ok.stride(), *cos.stride(), *sin.stride(),
-        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, num_warps=4,
+        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, X_ALIGN=_alignment(cos, sin, q, k), num_warps=4,
     )
     return oq, ok
 
@@ -307,19 +328,22 @@ def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: fl
     B, HQ, N, D = q.shape
     HKV, P = k.shape[1], cos.shape[0]
     dq, dk = _check_out(out, q, k) if out is not None else (_empty_bnhd(q), _empty_bnhd(k))
+    check_image_elements(q, k, grad_q, grad_k, dq, dk)
     BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
-    grid = (triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
-    dw_part = torch.empty(grid[0] * grid[1], D, dtype=torch.float32, device=q.device)
+    num_tiles = triton.cdiv(N, BLOCK_N)
+    grid = flat_grid(num_tiles, B * (HQ + HKV))
+    dw_part = torch.empty(grid[0], D, dtype=torch.float32, device=q.device)
     _qk_norm_rope_bwd_kernel[grid](
         q, k, grad_q, grad_k, dq, dk, q_weight, k_weight, dw_part, cos, sin,
         N, P, HQ, HKV, eps,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
         *cos.stride(), *sin.stride(),
-        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, num_warps=4,
+        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, X_ALIGN=_alignment(cos, sin, q, k, grad_q, grad_k),
+        num_warps=4,
     )
-    num_q_rows = grid[0] * B * HQ
-    dwq = dw_part[:num_q_rows].sum(0).to(q_weight.dtype)
-    dwk = dw_part[num_q_rows:].sum(0).to(k_weight.dtype)
+    dw_part = dw_part.view(B, HQ + HKV, num_tiles, D)
+    dwq = dw_part[:, :HQ].sum((0, 1, 2)).to(q_weight.dtype)
+    dwk = dw_part[:, HQ:].sum((0, 1, 2)).to(k_weight.dtype)
     return dq, dk, dwq, dwk
 
 
@@ -347,10 +371,9 @@ class QKNormRope(torch.autograd.Function):
 
 
 def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
-    """The `_qk_norm_rope_triton` hook: the fused kernels, differentiable in q, k and both weights."""
+    """The `_qk_norm_rope_triton` hook: the fused kernels, differentiable in q, k and both weights (not in
+    cos/sin: kernels/dispatch.py sends tables that require gradients to the reference)."""
     if cos.requires_grad or sin.requires_grad:
-        # The model's tables are buffers; a caller that learns them gets the reference and its gradients.
-        from .qk_norm_rope import qk_norm_rope_reference
-
-        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
+        raise ValueError("qk_norm_rope_triton gives cos/sin no gradient; use qk_norm_rope_reference for "
+                         "RoPE tables that require one")
     return QKNormRope.apply(q, k, q_weight, k_weight, cos, sin, eps)

@@ -26,9 +26,15 @@ from kernels.attention_triton import attention_bwd, attention_fwd, attention_tri
 from kernels.qk_norm_rope_triton import qk_norm_rope_bwd, qk_norm_rope_fwd, qk_norm_rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# On CPU fix the tiles to 16 x 16 (several tiles plus a tail at N = 44); on CUDA let the autotuner choose.
-BLOCKS = None if DEVICE == "cuda" else {"BLOCK_M": 16, "BLOCK_N": 16}
+# Tiles pinned: on CPU 16 x 16 (several tiles plus a tail at N = 44); on CUDA one Hopper-sized tile for every
+# launch, autograd ones included (PINNED_BLOCKS), so the tests compile a few kernels instead of autotuning
+# ~100 (the benchmarks autotune).
+BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2} if DEVICE == "cuda" else {"BLOCK_M": 16, "BLOCK_N": 16}
 QK_BLOCK_N = None if DEVICE == "cuda" else 16
+if DEVICE == "cuda":
+    import kernels.attention_triton
+
+    kernels.attention_triton.PINNED_BLOCKS = BLOCKS
 
 # Worst errors seen by each test, printed at the end of the run (pytest -s) for the record.
 WORST: dict[str, float] = {}
@@ -368,3 +374,240 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
     assert err < (1e-5 if dtype == torch.float32 else 3e-2)
     # the fused path really ran, once per block for each op
     assert sorted(set(calls)) == ["_attention_triton", "_qk_norm_rope_triton"] and len(calls) == 2 * config.depth
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU-only hazards, checked on small shapes: NaN bit patterns, int64 offsets, the grid limit
+# ----------------------------------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels import grid_triton  # noqa: E402
+from kernels.qk_norm_rope_triton import _round  # noqa: E402
+
+
+@triton.jit
+def _round_bf16_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(o_ptr + offs, _round(x, tl.bfloat16), mask=offs < n)
+
+
+def test_round_to_bf16_keeps_nan_and_matches_torch():
+    """NVIDIA's canonical NaN is 0x7FFFFFFF; adding the rounding bias to its bits used to carry into the sign
+    (-0.0), and 0xFFFFFFFF wrapped to +0.0. Every NaN must stay NaN, every other value round like torch."""
+    nan_bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF]
+    finite = torch.tensor([0.0, -0.0, 1.0, 1.00390625, 1.005859375, -3.1e38, 3.3895e38, 1e-40, 65504.0,
+                           float("inf"), float("-inf"), 1.0 + 2**-8, 1.0 + 3 * 2**-8])
+    bits = torch.tensor(nan_bits, dtype=torch.int64).to(torch.int32)  # two's complement for >= 2**31
+    x = torch.cat([bits.view(torch.float32), finite, torch.randn(64) * 100]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_bf16_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    n = len(nan_bits)
+    assert out[:n].isnan().all(), f"NaN patterns came out as {out[:n].tolist()}"
+    torch.testing.assert_close(out[n:], x[n:].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_qk_norm_rope_propagates_canonical_nan():
+    """End to end on the released models' default path (bf16 tables): a token holding 0x7FFFFFFF comes out
+    NaN in both implementations, never as zeros."""
+    B, HQ, HKV, N, D, P = 1, 2, 1, 20, 64, 16
+    q, k = bnhd(B, HQ, N, D, torch.float32, 23), bnhd(B, HKV, N, D, torch.float32, 24)
+    q[0, 1, 12, 5] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    cos, sin = rope_tables(P, D, torch.bfloat16)
+    oq, _ = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N)
+    rq, _ = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    assert rq[0, 1, 12].isnan().all() and oq[0, 1, 12].isnan().all()
+    assert not oq[0, 0].isnan().any() and not oq[0, 1, :12].isnan().any()
+
+
+@triton.jit
+def _coords_kernel(out_ptr, stride_b, stride_h, num_tiles, HEADS: tl.constexpr):
+    tile, b, h = grid_triton.program_coords(num_tiles, HEADS)
+    row = out_ptr + tl.program_id(0) * 4
+    tl.store(row, tile.to(tl.int64))
+    tl.store(row + 1, b)
+    tl.store(row + 2, h)
+    tl.store(row + 3, b * stride_b + h * stride_h)  # the kernels' base offset of head h of image b
+
+
+def test_program_coords_cover_the_grid_in_int64():
+    """The flat grid's (tile, b, h) in tiles-fastest order, and the base offset b * stride_b + h * stride_h
+    in int64: with stride_b = 2**30 (an int32 argument) image 2 starts at 2**31, past int32."""
+    num_tiles, B, H, stride_b, stride_h = 3, 3, 2, 2**30, 1000
+    grid = grid_triton.flat_grid(num_tiles, B * H)
+    out = torch.zeros(grid[0], 4, dtype=torch.int64, device=DEVICE)
+    _coords_kernel[grid](out, stride_b, stride_h, num_tiles, HEADS=H)
+    want = [[t, b, h, b * stride_b + h * stride_h] for b in range(B) for h in range(H) for t in range(num_tiles)]
+    assert out.tolist() == want
+
+
+def test_grid_has_no_65535_limit(monkeypatch):
+    """B * H = 70,000 (head) programs: one flat axis, no axis above CUDA's 65,535 limit for axes 1 and 2."""
+    import kernels.attention_triton as at
+
+    grids = []
+    monkeypatch.setattr(at, "_launch", lambda kernel, name, grid, *a: grids.append(grid(16, 16)))
+    q = torch.zeros(70_000, 1, 2, 16, device=DEVICE)
+    at.attention_fwd(q, q, q)
+    assert grids == [(70_000,)]
+    with pytest.raises(ValueError, match="grid limit"):
+        grid_triton.flat_grid(2**16, 2**15)
+
+
+# ----------------------------------------------------------------------------------------------------
+# auto dispatch: never slower than SDPA (decision logic with injected timers)
+# ----------------------------------------------------------------------------------------------------
+
+import logging  # noqa: E402
+
+from kernels import dispatch  # noqa: E402
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    monkeypatch.setattr(dispatch, "_DECIDED", {})
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.delenv("SAPIENS2_KERNELS_CACHE", raising=False)
+    monkeypatch.setenv("SAPIENS2_KERNELS", "auto")
+    return dispatch
+
+
+def fake_timer(ms: dict, calls: list):
+    """A timer that runs nothing: the time of each run function is looked up by its name."""
+    def timer(fn):
+        calls.append(fn.__name__)
+        return ms[fn.__name__]
+    return timer
+
+
+def named(name):
+    def fn():
+        raise AssertionError("a fake timer must not run the function")
+    fn.__name__ = name
+    return fn
+
+
+@pytest.mark.parametrize("ms,want", [({"tri": 1.0, "sdpa": 2.0}, "triton"), ({"tri": 2.0, "sdpa": 1.0}, "torch"),
+                                     ({"tri": 1.0, "sdpa": 1.0}, "torch")])
+def test_auto_picks_the_faster_once_and_logs_once(fresh_dispatch, caplog, ms, want):
+    calls = []
+    with caplog.at_level(logging.INFO, logger="sapiens2.kernels"):
+        for _ in range(3):
+            assert dispatch.faster("case-a", named("tri"), named("sdpa"), timer=fake_timer(ms, calls)) == want
+    assert calls == ["tri", "sdpa"]  # timed once, then cached
+    assert len([r for r in caplog.records if "case-a" in r.getMessage()]) == 1
+    assert dispatch.decisions()["case-a"] == {"choice": want, "ms": {"triton": ms["tri"], "torch": ms["sdpa"]}}
+    # another case is timed on its own
+    dispatch.faster("case-b", named("tri"), named("sdpa"), timer=fake_timer({"tri": 5.0, "sdpa": 1.0}, calls))
+    assert calls == ["tri", "sdpa", "tri", "sdpa"] and dispatch.decisions()["case-b"]["choice"] == "torch"
+
+
+def test_auto_disk_cache(fresh_dispatch, tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "choices.json"
+    monkeypatch.setenv("SAPIENS2_KERNELS_CACHE", str(path))
+    calls = []
+    assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({"tri": 3.0, "sdpa": 1.0}, calls)) == "torch"
+    assert len(calls) == 2 and path.exists()
+    monkeypatch.setattr(dispatch, "_DECIDED", {})  # a new process: read from disk, time nothing
+    assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({}, calls)) == "torch"
+    assert len(calls) == 2
+    path.write_text("not json")  # a broken cache: timed again, not fatal
+    monkeypatch.setattr(dispatch, "_DECIDED", {})
+    assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({"tri": 1.0, "sdpa": 3.0}, calls)) == "triton"
+
+
+def test_auto_attention_follows_the_timing(fresh_dispatch, monkeypatch):
+    """kernels.attention in auto mode on (pretend) CUDA tensors runs what the timer found faster; the case key
+    separates inference from training; CPU tensors never time anything."""
+    B, HQ, HKV, N, D = 1, 2, 1, 20, 16
+    q, k, v = (bnhd(B, h, N, D, torch.float32, s).contiguous() for h, s in ((HQ, 25), (HKV, 26), (HKV, 27)))
+    timed = []
+    monkeypatch.setattr(dispatch, "time_ms", lambda fn: timed.append(fn) or 1.0)
+    if DEVICE == "cpu":
+        assert kernels.attention(q, k, v).is_contiguous() and not timed  # CPU: the reference, untimed
+        monkeypatch.setattr(dispatch, "on_cuda", lambda tensors: True)
+    # the timer says triton is slower: SDPA runs (contiguous (B, H, N, D) output)
+    speeds = iter([2.0, 1.0, 1.0, 2.0])
+    monkeypatch.setattr(dispatch, "time_ms", lambda fn: next(speeds))
+    assert kernels.attention(q, k, v).is_contiguous()
+    assert kernels.attention(q, k, v).is_contiguous()  # cached: the iterator is not consumed further
+    # training is another case: timed again, and this time triton wins ((B, N, H, D) memory)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = kernels.attention(*leaves)
+    assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous()
+    keys = sorted(dispatch.decisions())
+    assert [key.rsplit("|", 1)[1] for key in keys] == ["infer", "train"]
+    monkeypatch.setenv("SAPIENS2_KERNELS", "triton")  # forced: no timing, triton
+    assert kernels.attention(q, k, v).transpose(1, 2).is_contiguous()
+
+
+def test_qk_norm_rope_with_learned_tables_takes_the_reference_visibly(fresh_dispatch, monkeypatch, caplog):
+    B, HQ, HKV, N, D, P = 1, 2, 1, 20, 16, 16
+    q, k = bnhd(B, HQ, N, D, torch.float32, 28).contiguous(), bnhd(B, HKV, N, D, torch.float32, 29).contiguous()
+    w = torch.ones(D, device=DEVICE)
+    cos, sin = (t.requires_grad_() for t in rope_tables(P, D, torch.float32))
+    monkeypatch.setattr(dispatch, "on_cuda", lambda tensors: True)
+    with caplog.at_level(logging.INFO, logger="sapiens2.kernels"):
+        oq, _ = kernels.qk_norm_rope(q, k, w, w, cos, sin)
+        kernels.qk_norm_rope(q, k, w, w, cos, sin)
+    assert oq.is_contiguous()  # the reference's layout
+    assert oq.requires_grad and torch.autograd.grad(oq.sum(), cos)[0].abs().sum() > 0
+    assert len([r for r in caplog.records if "no gradient" in r.getMessage()]) == 1
+    monkeypatch.setenv("SAPIENS2_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match="no gradient"):
+        kernels.qk_norm_rope(q, k, w, w, cos, sin)
+    with pytest.raises(ValueError, match="no gradient"):
+        qk_norm_rope_triton(q, k, w, w, cos, sin)
+    # tables without gradients: Triton in auto on CUDA, untimed
+    oq, _ = kernels.qk_norm_rope(q, k, w, w, cos.detach(), sin.detach())
+    assert oq.transpose(1, 2).is_contiguous()
+
+
+def test_5b_heads_padded_to_80_in_storage():
+    """Head dim 76: qk_norm_rope writes each head into 80 columns (norm and rotation over the true 76, the
+    reference's values), attention takes those as they are and copies only the unaligned v, and the
+    results are identical to attention on the unpadded layout."""
+    B, HQ, HKV, N, D, P = 1, 2, 1, 20, 76, 16
+    q, k, v = bnhd(B, HQ, N, D, torch.float32, 30), bnhd(B, HKV, N, D, torch.float32, 31), bnhd(B, HKV, N, D, torch.float32, 32)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    cos, sin = rope_tables(P, D, torch.float32)
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N)
+    assert oq.stride() == (N * HQ * 80, 80, HQ * 80, 1) and ok.stride() == (N * HKV * 80, 80, HKV * 80, 1)
+    rq, rk = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
+    torch.testing.assert_close(oq, rq, rtol=1e-5, atol=1e-5)  # fp32: reduction order only
+    torch.testing.assert_close(ok, rk, rtol=1e-5, atol=1e-5)
+    assert grid_triton.aligned_heads(oq) is oq and grid_triton.aligned_heads(ok) is ok  # no copy
+    assert not grid_triton.heads_aligned(v) and grid_triton.heads_aligned(grid_triton.aligned_heads(v))
+    o_padded, _ = attention_fwd(oq, ok, v, blocks=BLOCKS)
+    o_plain, _ = attention_fwd(oq.contiguous(), ok.contiguous(), v, blocks=BLOCKS)
+    assert torch.equal(o_padded, o_plain)
+    assert rel_err(o_padded, attention_reference(rq, rk, v)) < 2e-5
+
+
+@pytest.mark.parametrize("rope_dtype", ["bfloat16", "float32"])
+def test_triton_rope_is_rope_reference(rope_dtype):
+    """The NOTE in sapiens2.Attention: the Triton kernel re-implements kernels.rope_reference. On the model's
+    own tables (RotaryEmbedding2D: [y | x | y | x] halves, both precision conventions) and prefix count, the
+    kernel must equal rope_reference applied after RMSNorm, called here directly (not through
+    qk_norm_rope_reference), so that a change to either side fails here."""
+    from kernels import rms_norm_reference, rope_reference
+    from sapiens2 import RotaryEmbedding2D, Sapiens2Config
+
+    config = Sapiens2Config(embed_dim=152, depth=2, num_heads=2, rope_dtype=rope_dtype)  # head dim 76, like 5b
+    h, w = 5, 4
+    cos, sin = RotaryEmbedding2D(config)(h, w, torch.device(DEVICE), torch.float32)
+    N, D = config.num_prefix_tokens + h * w, config.head_dim
+    q, k = bnhd(1, 2, N, D, torch.float32, 33), bnhd(1, 1, N, D, torch.float32, 34)
+    wq, wk = torch.randn(D, device=DEVICE), torch.randn(D, device=DEVICE)
+    eps = config.norm_eps
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, eps, block_n=QK_BLOCK_N)
+    for got, x, weight in ((oq, q, wq), (ok, k, wk)):
+        want = rope_reference(rms_norm_reference(x, weight, eps), cos, sin)
+        if rope_dtype == "float32":
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: reduction order only
+        else:  # bf16 rotation: the same roundings, at most one bf16 ulp apart on rare elements
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+            assert (got != want).double().mean().item() <= 0.01

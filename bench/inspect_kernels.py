@@ -1,0 +1,362 @@
+"""Compile, with no GPU, every Triton kernel configuration the default dispatch can choose, and read the
+machine code: evidence about the kernels on a GPU that is not there.
+
+    python bench/inspect_kernels.py --arch sm_90a --json bench/results/inspect_kernels_sm90a.json
+    python bench/inspect_kernels.py --presets 5b --only attn_fwd --first-config     # a quick subset
+
+For presets 0.4b, 0.8b, 1b and 5b at 1024x768, batch 8, bf16 (sapiens2.PRESETS; N = 9 + 64 * 48 = 3081),
+forward and backward of attention (full-attention and GQA blocks) and of qk_norm_rope, this runs the real
+launchers (kernels/*_triton.py) on meta tensors with the launches intercepted, so that the kernels, the
+constexprs, the specialization of the arguments (the JIT's rules: an int equal to 1 becomes a constant,
+ints and pointers divisible by 16 get `tt.divisibility = 16`; CUDA allocations are 256-byte aligned) and
+every autotune configuration are exactly what a CUDA launch would compile. Each is compiled with the
+installed Triton for the target (`triton.compile` with `GPUTarget("cuda", 90, 32)` for sm_90a) and
+inspected with the tools that ship inside the triton wheel (triton/backends/nvidia/bin):
+    ptxas -v       registers and spill store/load bytes (the PTX triton assembled, the ptxas it used)
+    cuobjdump      SASS opcode counts: HGMMA (wgmma), LDL/STL (local memory), LDG 16-bit scalar global
+                   loads, LDG 128-bit global loads, LDGSTS (cp.async), UTMALDG (TMA tensor loads)
+One row per (preset, kernel, configuration); identical compilations are shared between presets (0.4b and 1b
+both have head dim 64). It prints a table and, with --json, writes the rows. Nothing here runs a kernel;
+none of it is a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is its default
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import kernels.attention_triton as attention_triton  # noqa: E402
+import kernels.qk_norm_rope_triton as qk_norm_rope_triton  # noqa: E402
+from sapiens2 import PRESETS  # noqa: E402
+
+PRESET_NAMES = ("0.4b", "0.8b", "1b", "5b")
+IMAGE = (1024, 768)
+BATCH = 8
+DTYPE = torch.bfloat16
+
+# ----------------------------------------------------------------------------------------------------
+# The launches the dispatch makes, captured from the real launchers on meta tensors
+# ----------------------------------------------------------------------------------------------------
+
+
+def preset_cases(name: str, image=IMAGE, batch=BATCH):
+    """(label, B, Hq, Hkv, N, D) for each distinct attention block of a preset: full attention and GQA."""
+    config = PRESETS[name]
+    grid = (image[0] // config.patch_size) * (image[1] // config.patch_size)
+    N = config.num_prefix_tokens + grid
+    cases = []
+    for kv in sorted(set(config.layer_kv_heads), reverse=True):
+        label = "mha" if kv == config.num_heads else f"gqa{config.num_heads // kv}"
+        cases.append((label, batch, config.num_heads, kv, N, config.head_dim))
+    return cases
+
+
+def bnhd(B, H, N, D, dtype=DTYPE):
+    """What the model's projections hand over: (B, N, H, D) memory viewed as (B, H, N, D)."""
+    return torch.empty(B, N, H, D, dtype=dtype, device="meta").transpose(1, 2)
+
+
+@contextlib.contextmanager
+def intercepted(launches: list):
+    """Record launches instead of running them; the launchers take their CUDA branches."""
+    def autotuned_run(self, *args, **kwargs):
+        configs = [(dict(c.kwargs), c.num_warps, c.num_stages) for c in self.configs]
+        launches.append((self.fn, args, kwargs, configs))
+
+    def jit_run(self, *args, grid, warmup, **kwargs):
+        kwargs = dict(kwargs, grid=grid)
+        config = ({}, kwargs.pop("num_warps", 4), kwargs.pop("num_stages", 3))
+        launches.append((self, args, kwargs, [config]))
+
+    saved = Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu
+    Autotuner.run, JITFunction.run = autotuned_run, jit_run
+    attention_triton.compiled_for_gpu = lambda t: True
+    try:
+        yield launches
+    finally:
+        Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu = saved
+
+
+def capture_launches(B, HQ, HKV, N, D, ops=("attention", "qk_norm_rope")):
+    """[(pass, fn, args, kwargs, configs)] for one attention block's shapes."""
+    rows = []
+    q, k, v = bnhd(B, HQ, N, D), bnhd(B, HKV, N, D), bnhd(B, HKV, N, D)
+    if "attention" in ops:
+        launches = []
+        with intercepted(launches):
+            o, lse = attention_triton.attention_fwd(q, k, v)
+        rows += [("fwd", *launch) for launch in launches]
+        launches = []
+        with intercepted(launches):
+            attention_triton.attention_bwd(q, k, v, o, lse, bnhd(B, HQ, N, D))
+        rows += [("bwd", *launch) for launch in launches]
+    if "qk_norm_rope" in ops:
+        P = N - 9
+        w = torch.empty(D, dtype=DTYPE, device="meta")
+        cos = sin = torch.empty(P, D, dtype=DTYPE, device="meta")
+        launches = []
+        with intercepted(launches):
+            qk_norm_rope_triton.qk_norm_rope_fwd(q, k, w, w, cos, sin)
+        rows += [("fwd", *launch) for launch in launches]
+        launches = []
+        with intercepted(launches):
+            qk_norm_rope_triton.qk_norm_rope_bwd(q, k, w, w, cos, sin, bnhd(B, HQ, N, D), bnhd(B, HKV, N, D))
+        rows += [("bwd", *launch) for launch in launches]
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ahead-of-time compilation with the JIT's specialization
+# ----------------------------------------------------------------------------------------------------
+
+_TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+                    torch.int64: "i64"}
+
+
+def specialize(value):
+    """(type, divisible by 16) of one non-constexpr argument, as the JIT specializes it."""
+    if isinstance(value, torch.Tensor):
+        aligned = value.device.type == "meta" or value.data_ptr() % 16 == 0  # CUDA allocations: 256-aligned
+        return "*" + _TORCH_TO_TRITON[value.dtype], aligned
+    if isinstance(value, bool):
+        return "u1", False
+    if isinstance(value, int):
+        if value == 1:
+            return "constexpr", False
+        return ("i32" if -2**31 <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", False
+    if value is None:
+        return "constexpr", False
+    raise TypeError(f"cannot specialize {type(value).__name__}")
+
+
+def bind(fn, args, kwargs, config_kwargs):
+    names = fn.arg_names
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    bound.update(config_kwargs)
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for {missing}")
+    return bound
+
+
+def aot_source(fn, bound):
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        value = bound[param.name]
+        kind, divisible = ("constexpr", False) if param.is_constexpr else specialize(value)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = value
+        elif divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), signature, constexprs, attrs
+
+
+def nvidia_tool(name: str) -> str:
+    """A tool from the triton wheel (triton/backends/nvidia/bin), else from PATH."""
+    candidate = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise FileNotFoundError(f"{name} is neither in {candidate.parent} nor on PATH (it ships with the triton wheel)")
+
+
+def ptxas_for(arch: str) -> str:
+    """The ptxas Triton itself assembles with for this target (triton 3.9 uses `ptxas-blackwell` from sm_90
+    on; its PTX version is too new for the older `ptxas` beside it)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(parse_arch(arch)).path
+    except (ImportError, TypeError, AttributeError):
+        return nvidia_tool("ptxas")
+
+
+def parse_arch(arch: str) -> int:
+    match = re.fullmatch(r"sm_(\d+)a?", arch)
+    if not match:
+        raise ValueError(f"--arch {arch!r}: expected e.g. sm_90a")
+    return int(match[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading the machine code
+# ----------------------------------------------------------------------------------------------------
+
+_SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def sass_counts(sass: str) -> dict:
+    counts = dict.fromkeys(("hgmma", "ldl", "stl", "ldg_16bit", "ldg_128bit", "ldgsts", "utmaldg", "stg_16bit"), 0)
+    for opcode in _SASS_OP.findall(sass):
+        parts = opcode.split(".")
+        head = parts[0]
+        if head == "HGMMA":
+            counts["hgmma"] += 1
+        elif head in ("LDL", "STL"):
+            counts[head.lower()] += 1
+        elif head == "LDG":
+            counts["ldg_16bit"] += ("U16" in parts or "S16" in parts)
+            counts["ldg_128bit"] += "128" in parts
+        elif head == "STG":
+            counts["stg_16bit"] += ("U16" in parts or "S16" in parts)
+        elif head == "LDGSTS":
+            counts["ldgsts"] += 1
+        elif head == "UTMALDG":
+            counts["utmaldg"] += 1
+    return counts
+
+
+def ptxas_report(ptx: str, arch: str, workdir: pathlib.Path) -> dict:
+    """registers, spill bytes and shared memory from `ptxas -v` on the PTX Triton produced."""
+    path = workdir / "kernel.ptx"
+    path.write_text(ptx)
+    proc = subprocess.run([ptxas_for(arch), "-v", f"--gpu-name={arch}", str(path), "-o", str(workdir / "k.o")],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
+    log = proc.stderr + proc.stdout
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    regs = re.search(r"Used (\d+) registers", log)
+    return {"registers": int(regs[1]) if regs else None,
+            "spill_store_bytes": int(spills[1]) if spills else None,
+            "spill_load_bytes": int(spills[2]) if spills else None}
+
+
+def inspect_compiled(kernel, arch: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = pathlib.Path(tmp)
+        cubin = workdir / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([nvidia_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True,
+                              text=True, check=True, timeout=600).stdout
+        report = ptxas_report(kernel.asm["ptx"], arch, workdir)
+    return {**report, "shared_bytes": kernel.metadata.shared, **sass_counts(sass)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------
+
+
+def constexpr_summary(fn, constexprs):
+    """The constexprs by name, JSON-friendly (strings for dtypes and other objects)."""
+    out = {}
+    for (i,), value in constexprs.items():
+        out[fn.arg_names[i]] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+    return out
+
+
+def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_norm_rope"), blocks=None, log=print):
+    """The rows for these presets; `only` (regex on kernel names), `first_config`, `ops` and `blocks` ("mha",
+    "gqa2", ...) select a subset."""
+    target = GPUTarget("cuda", parse_arch(arch), 32)
+    compiled: dict[str, dict] = {}  # identical compilations are shared
+    rows = []
+    for preset in presets:
+        for label, B, HQ, HKV, N, D in preset_cases(preset):
+            if blocks and label not in blocks:
+                continue
+            for pas, fn, args, kwargs, configs in capture_launches(B, HQ, HKV, N, D, ops):
+                name = fn.__name__
+                if only and not re.search(only, name):
+                    continue
+                for config_kwargs, num_warps, num_stages in configs[:1] if first_config else configs:
+                    bound = bind(fn, args, kwargs, config_kwargs)
+                    src, signature, constexprs, attrs = aot_source(fn, bound)
+                    key = json.dumps([name, signature, sorted(map(str, constexprs.items())), sorted(map(str, attrs)),
+                                      num_warps, num_stages])
+                    if key not in compiled:
+                        t = time.time()
+                        kernel = triton.compile(src, target=target,
+                                                options={"num_warps": num_warps, "num_stages": num_stages})
+                        compiled[key] = {**inspect_compiled(kernel, arch), "compile_s": round(time.time() - t, 1)}
+                    grid = kwargs["grid"]
+                    grid = grid(bound) if callable(grid) else grid
+                    row = {"name": name, "preset": preset, "block": label, "pass": pas, "B": B, "Hq": HQ, "Hkv": HKV,
+                           "N": N, "D": D, "dtype": str(DTYPE).replace("torch.", ""),
+                           "constexprs": constexpr_summary(fn, constexprs), "num_warps": num_warps,
+                           "num_stages": num_stages, "grid": list(grid),
+                           "divisible_by_16": [fn.arg_names[i] for (i,) in attrs],
+                           **compiled[key]}
+                    rows.append(row)
+                    log(format_row(row))
+    return rows
+
+
+COLUMNS = [("preset", 5), ("block", 5), ("name", 26), ("cfg", 16), ("regs", 4), ("spill", 5), ("smem", 6),
+           ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7)]
+
+
+def format_row(r) -> str:
+    c = r["constexprs"]
+    cfg = f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{r['num_warps']}s{r['num_stages']}"
+    spill = (r["spill_store_bytes"] or 0) + (r["spill_load_bytes"] or 0)
+    cells = [r["preset"], r["block"], r["name"], cfg, r["registers"], spill, r["shared_bytes"], r["hgmma"],
+             f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"]]
+    return "  ".join(str(v).ljust(w) for v, (_, w) in zip(cells, COLUMNS))
+
+
+def header() -> str:
+    return "  ".join(name.ljust(w) for name, w in COLUMNS)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="sm_90a", help="target, e.g. sm_90a (Hopper: H100/H200)")
+    ap.add_argument("--json", type=pathlib.Path, default=None, help="write the rows here")
+    ap.add_argument("--presets", default=",".join(PRESET_NAMES), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--ops", default="attention,qk_norm_rope")
+    ap.add_argument("--only", default=None, help="regex on the kernel name, e.g. attn_fwd")
+    ap.add_argument("--first-config", action="store_true", help="only the first autotune configuration")
+    ap.add_argument("--blocks", default=None, help="comma-separated block kinds: mha, gqa2 (default: all)")
+    args = ap.parse_args(argv)
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        ap.error(f"unknown presets {unknown}; choose from {', '.join(PRESETS)}")
+    t0 = time.time()
+    print(header())
+    blocks = tuple(args.blocks.split(",")) if args.blocks else None
+    rows = inspect(presets, args.arch, args.only, args.first_config, tuple(args.ops.split(",")), blocks)
+    print(f"{len(rows)} rows in {time.time() - t0:.0f} s (triton {triton.__version__}, {args.arch}, no GPU)")
+    if args.json:
+        info = {"arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "image": list(IMAGE), "batch": BATCH, "dtype": str(DTYPE).replace("torch.", ""),
+                "note": "ahead-of-time compilation without a GPU: register/spill/SASS evidence, no timings"}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
