@@ -2,7 +2,7 @@
 
     model = weights.load("sapiens2_0.4b_pretrain.safetensors")           # a bare original file
     model = weights.load("path/to/dir")                                  # config.json + model.safetensors (or shards)
-    model = weights.load("facebook/sapiens2-pretrain-0.4b")              # a hub id (downloaded once, cached)
+    model = weights.load("facebook/sapiens2-pretrain-0.4b")              # a hub id (the HF cache, else downloaded once)
     model = weights.load(path, rope_dtype="float32", dtype=torch.bfloat16, device="cuda")
     weights.save(model, "out_dir", format="hf")                          # or format="original"
 
@@ -11,11 +11,14 @@ Key formats (detected from the keys):
     original task       backbone.blocks.0.attn.wq.weight      + decode_head.*
     HF-native base      embeddings.cls_token, model.layer.0.attention.q_proj.weight
     HF-native task      model.embeddings.cls_token, model.model.layer.0...   + decode_head.*, scale_head.*
-transformers' save_pretrained() and the Hub's model.safetensors use the original names, with a config.json.
+transformers' save_pretrained() and the Hub's model.safetensors use the original names, with a config.json
+(heads deeper than the released ones: a mix of both kinds of names, which loads too).
 
-The architecture comes from the file's metadata when `save` wrote it, else from config.json (HF schema),
-else it is inferred from tensor shapes. Loading is strict: anything missing,
-unexpected or mis-shaped is reported by key, grouped by prefix; nothing is left randomly initialized.
+The architecture comes from the file's metadata when `save` wrote it, else from config.json (HF schema, read
+field by field: see the tables before config_from_hf), else it is inferred from tensor shapes. The output count
+and the pointmap scale MLP's input width are checked against the weights whatever the source. Loading is
+strict: anything missing, unexpected or mis-shaped is reported by key, grouped by prefix; nothing is left
+randomly initialized.
 """
 
 from __future__ import annotations
