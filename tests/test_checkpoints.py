@@ -206,6 +206,19 @@ def test_deeper_heads_saved_by_transformers_load(task, tmp_path):
     assert_same_outputs(weights.load(tmp_path, rope_dtype="float32"), hf, torch.randn(1, 3, 32, 32), task)
 
 
+@pytest.mark.parametrize("task", ["normal", "pointmap"])
+def test_deeper_pixel_shuffle_heads_saved_by_transformers_load(task, tmp_path):
+    # 4 refinement convs and (pointmap) 4 scale convs: the 4th of each keeps its HF-native name in the file
+    head = {**PIXEL_SHUFFLE, "conv_out_channels": [8, 8, 8, 4], "conv_kernel_sizes": [3, 3, 3, 3]}
+    if task == "pointmap":
+        head.update(scale_conv_out_channels=[16, 16, 8, 8], scale_final_hidden_sizes=[16, 8])
+    hf = hf_task_model(task, tmp_path, head, image_size=(288, 288))
+    keys = set(safe_open(str(tmp_path / "model.safetensors"), "pt").keys())
+    assert "decode_head.conv_layers.3.convolution.weight" in keys
+    assert task != "pointmap" or "scale_head.conv_layers.3.convolution.weight" in keys
+    assert_same_outputs(weights.load(tmp_path, rope_dtype="float32"), hf, torch.randn(1, 3, 288, 288), task)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Widths from the tensors
 # ----------------------------------------------------------------------------------------------------
