@@ -501,6 +501,13 @@ def head_config_from_hf(hf: dict, predictor_rows: int | None = None) -> HeadConf
         scale = dict(scale_conv_channels=scale_convs, scale_hidden=head.get("scale_final_hidden_sizes") or (),
                      scale_conv_kernel_sizes=_hf_kernel_sizes(head, "scale_conv", len(scale_convs), 1),
                      scale_input_width=head.get("scale_final_input_size"))
+    upsample_kernels = _hf_kernel_sizes(head, "upsample", len(upsample), 4)
+    conv_kernels = _hf_kernel_sizes(head, "conv", len(conv), 1)
+    if task in TRANSPOSED_CONV_TASKS and (set(upsample_kernels) - {4} or set(conv_kernels) - {1}):
+        # transformers pads these layers differently from the original (transposed convs: padding 1, no output
+        # padding; refinement convs: no padding), which only agrees for the released kernel sizes 4 and 1
+        raise ValueError(f"config.json: a {task} head with upsample kernels {upsample_kernels} and conv kernels "
+                         f"{conv_kernels}: only 4 and 1 (the released sizes) compute the same here as in transformers")
     labels = _hf_label_names(hf)
     count, said = (len(labels), "id2label") if labels is not None else (hf.get("num_labels"), "num_labels")
     if count is None:
@@ -510,8 +517,7 @@ def head_config_from_hf(hf: dict, predictor_rows: int | None = None) -> HeadConf
     generic = labels is not None and all(name == f"LABEL_{i}" for i, name in enumerate(labels))
     return HeadConfig(
         task, upsample, conv, count,
-        upsample_kernel_sizes=_hf_kernel_sizes(head, "upsample", len(upsample), 4),
-        conv_kernel_sizes=_hf_kernel_sizes(head, "conv", len(conv), 1),
+        upsample_kernel_sizes=upsample_kernels, conv_kernel_sizes=conv_kernels,
         labels=None if generic else labels, flip_pairs=hf.get("flip_pairs") if task == "pose" else None, **scale,
     )
 

@@ -173,6 +173,17 @@ def test_pixel_shuffle_heads_with_other_output_counts_and_scale_fields(task, cha
     assert_same_outputs(ours, hf, torch.randn(1, 3, 64, 48), task)
 
 
+def test_transposed_heads_whose_padding_differs_in_transformers_are_refused(tmp_path):
+    """transformers pads a transposed head's layers in its own way, which matches the original only for
+    the released kernel sizes: other sizes would load and compute something else, so they are refused."""
+    hf = hf_task_model("seg", tmp_path, dict(upsample_out_channels=[8], upsample_kernel_sizes=[3],
+                                             conv_out_channels=[8], conv_kernel_sizes=[3]))
+    with torch.no_grad():
+        assert hf(torch.randn(1, 3, 64, 48)).logits.shape[-2:] == (5, 3)  # not 2x the 4x3 feature map
+    with pytest.raises(ValueError, match=r"upsample kernels \[3\] and conv kernels \[3\]: only 4 and 1"):
+        weights.load(tmp_path)
+
+
 def test_output_count_is_cross_checked_with_the_predictor(tmp_path):
     hf_task_model("seg", tmp_path / "hf", dict(upsample_out_channels=[8], conv_out_channels=[8]),
                   id2label={i: f"c{i}" for i in range(4)})
