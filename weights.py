@@ -452,12 +452,22 @@ def config_to_hf(config: Sapiens2Config, architecture: str = "Sapiens2Model") ->
 HF_TASK_CLASS_OF = {task: cls for cls, task in HF_TASK_CLASSES.items()}
 
 
+def hf_head_problem(head: HeadConfig) -> str | None:
+    """Why transformers cannot represent this head (None when it can)."""
+    if head.task not in HF_TASK_CLASS_OF:
+        return f"HF transformers has no {head.task} model"
+    if head.task == "pointmap" and len(head.scale_hidden) != 2:
+        return "HF's pointmap scale MLP has exactly two hidden layers"
+    if head.transposed and (set(head.upsample_kernel_sizes) - {4} or set(head.conv_kernel_sizes) - {1}):
+        return "HF transformers pads transposed heads differently unless their kernels are 4 (upsample) and 1 (conv)"
+    return None
+
+
 def head_config_to_hf(head: HeadConfig) -> dict:
     """The HF config.json fields of a head (architectures, num_labels, id2label, flip_pairs, head_config)."""
-    if head.task not in HF_TASK_CLASS_OF:
-        raise ValueError(f"HF transformers has no {head.task} model")
-    if head.task == "pointmap" and len(head.scale_hidden) != 2:
-        raise ValueError("HF's pointmap scale MLP has exactly two hidden layers")
+    problem = hf_head_problem(head)
+    if problem:
+        raise ValueError(problem)
     hf_head = {
         "use_pixel_shuffle": not head.transposed,
         "upsample_out_channels": list(head.upsample_channels),
@@ -974,9 +984,9 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
     hf_config = config_to_hf(config)
     if is_task:
         metadata["sapiens2_head_config"] = json.dumps(model.head_config.to_dict())
-        if model.head_config.task in HF_TASK_CLASS_OF:
+        if hf_head_problem(model.head_config) is None:
             hf_config.update(head_config_to_hf(model.head_config))
-        else:
+        else:  # our own field; transformers cannot load this model, we can
             hf_config.update(architectures=[type(model).__name__], sapiens2_head_config=model.head_config.to_dict())
     path = Path(path)
     if path.suffix == ".safetensors":

@@ -182,6 +182,13 @@ def test_transposed_heads_whose_padding_differs_in_transformers_are_refused(tmp_
         assert hf(torch.randn(1, 3, 64, 48)).logits.shape[-2:] == (5, 3)  # not 2x the 4x3 feature map
     with pytest.raises(ValueError, match=r"upsample kernels \[3\] and conv kernels \[3\]: only 4 and 1"):
         weights.load(tmp_path)
+    # ours (the original's padding) save with our own head field, and refuse the HF format
+    ours = heads.build_task_model(sapiens2.Sapiens2Config(32, 2, 2, image_size=(64, 48)),
+                                  heads.HeadConfig("seg", (8,), (8,), 4, upsample_kernel_sizes=(3,), conv_kernel_sizes=(3,)))
+    weights.save(ours, tmp_path / "ours")
+    assert "sapiens2_head_config" in json.loads((tmp_path / "ours" / "config.json").read_text())
+    with pytest.raises(ValueError, match="pads transposed heads differently"):
+        weights.save(ours, tmp_path / "hf", format="hf")
 
 
 def test_output_count_is_cross_checked_with_the_predictor(tmp_path):
