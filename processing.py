@@ -1,6 +1,7 @@
 """Pre- and post-processing for every Sapiens2 task, plus visualizations and COCO export.
 
-Images in, tensors out; model outputs in, results and pictures out. torch + numpy + pillow only, no model code.
+Images in, tensors out; model outputs in, results and pictures out. torch + numpy + pillow only, no model code
+(the default input and patch size are read from sapiens2.Sapiens2Config, their one home).
 
 Conventions
 - An image is a `(3, H, W)` tensor, uint8 (0..255) or float32 (0..255 scale). Sizes are `(height, width)`.

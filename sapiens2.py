@@ -43,7 +43,7 @@ ROPE_DTYPES = ("bfloat16", "float32")
 # The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
 # them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
 # pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
-# and the 4K tokenizer's blocks always use SiLU (as the original and transformers do).
+# (in transformers too) and the 4K tokenizer's blocks (which transformers lacks) always use SiLU.
 _tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
 ACTIVATIONS = {
     "silu": F.silu,

@@ -2,7 +2,7 @@
 
     model = weights.load("sapiens2_0.4b_pretrain.safetensors")           # a bare original file
     model = weights.load("path/to/dir")                                  # config.json + model.safetensors (or shards)
-    model = weights.load("facebook/sapiens2-pretrain-0.4b")              # a hub id (downloaded once, cached)
+    model = weights.load("facebook/sapiens2-pretrain-0.4b")              # a hub id (the HF cache, else downloaded once)
     model = weights.load(path, rope_dtype="float32", dtype=torch.bfloat16, device="cuda")
     weights.save(model, "out_dir", format="hf")                          # or format="original"
 
@@ -11,11 +11,14 @@ Key formats (detected from the keys):
     original task       backbone.blocks.0.attn.wq.weight      + decode_head.*
     HF-native base      embeddings.cls_token, model.layer.0.attention.q_proj.weight
     HF-native task      model.embeddings.cls_token, model.model.layer.0...   + decode_head.*, scale_head.*
-transformers' save_pretrained() and the Hub's model.safetensors use the original names, with a config.json.
+transformers' save_pretrained() and the Hub's model.safetensors use the original names, with a config.json
+(heads deeper than the released ones: a mix of both kinds of names, which loads too).
 
-The architecture comes from the file's metadata when `save` wrote it, else from config.json (HF schema),
-else it is inferred from tensor shapes. Loading is strict: anything missing,
-unexpected or mis-shaped is reported by key, grouped by prefix; nothing is left randomly initialized.
+The architecture comes from the file's metadata when `save` wrote it, else from config.json (HF schema, read
+field by field: see the tables before config_from_hf), else it is inferred from tensor shapes. The output count
+and the pointmap scale MLP's input width are checked against the weights whatever the source. Loading is
+strict: anything missing, unexpected or mis-shaped is reported by key, grouped by prefix; nothing is left
+randomly initialized.
 """
 
 from __future__ import annotations
@@ -445,12 +448,22 @@ def config_to_hf(config: Sapiens2Config, architecture: str = "Sapiens2Model") ->
 HF_TASK_CLASS_OF = {task: cls for cls, task in HF_TASK_CLASSES.items()}
 
 
+def hf_head_problem(head: HeadConfig) -> str | None:
+    """Why transformers cannot represent this head (None when it can)."""
+    if head.task not in HF_TASK_CLASS_OF:
+        return f"HF transformers has no {head.task} model"
+    if head.task == "pointmap" and len(head.scale_hidden) != 2:
+        return "HF's pointmap scale MLP has exactly two hidden layers"
+    if head.transposed and (set(head.upsample_kernel_sizes) - {4} or set(head.conv_kernel_sizes) - {1}):
+        return "HF transformers pads transposed heads differently unless their kernels are 4 (upsample) and 1 (conv)"
+    return None
+
+
 def head_config_to_hf(head: HeadConfig) -> dict:
     """The HF config.json fields of a head (architectures, num_labels, id2label, flip_pairs, head_config)."""
-    if head.task not in HF_TASK_CLASS_OF:
-        raise ValueError(f"HF transformers has no {head.task} model")
-    if head.task == "pointmap" and len(head.scale_hidden) != 2:
-        raise ValueError("HF's pointmap scale MLP has exactly two hidden layers")
+    problem = hf_head_problem(head)
+    if problem:
+        raise ValueError(problem)
     hf_head = {
         "use_pixel_shuffle": not head.transposed,
         "upsample_out_channels": list(head.upsample_channels),
@@ -494,6 +507,13 @@ def head_config_from_hf(hf: dict, predictor_rows: int | None = None) -> HeadConf
         scale = dict(scale_conv_channels=scale_convs, scale_hidden=head.get("scale_final_hidden_sizes") or (),
                      scale_conv_kernel_sizes=_hf_kernel_sizes(head, "scale_conv", len(scale_convs), 1),
                      scale_input_width=head.get("scale_final_input_size"))
+    upsample_kernels = _hf_kernel_sizes(head, "upsample", len(upsample), 4)
+    conv_kernels = _hf_kernel_sizes(head, "conv", len(conv), 1)
+    if task in TRANSPOSED_CONV_TASKS and (set(upsample_kernels) - {4} or set(conv_kernels) - {1}):
+        # transformers pads these layers differently from the original (transposed convs: padding 1, no output
+        # padding; refinement convs: no padding), which only agrees for the released kernel sizes 4 and 1
+        raise ValueError(f"config.json: a {task} head with upsample kernels {upsample_kernels} and conv kernels "
+                         f"{conv_kernels}: only 4 and 1 (the released sizes) compute the same here as in transformers")
     labels = _hf_label_names(hf)
     count, said = (len(labels), "id2label") if labels is not None else (hf.get("num_labels"), "num_labels")
     if count is None:
@@ -503,8 +523,7 @@ def head_config_from_hf(hf: dict, predictor_rows: int | None = None) -> HeadConf
     generic = labels is not None and all(name == f"LABEL_{i}" for i, name in enumerate(labels))
     return HeadConfig(
         task, upsample, conv, count,
-        upsample_kernel_sizes=_hf_kernel_sizes(head, "upsample", len(upsample), 4),
-        conv_kernel_sizes=_hf_kernel_sizes(head, "conv", len(conv), 1),
+        upsample_kernel_sizes=upsample_kernels, conv_kernel_sizes=conv_kernels,
         labels=None if generic else labels, flip_pairs=hf.get("flip_pairs") if task == "pose" else None, **scale,
     )
 
@@ -1052,9 +1071,9 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
     hf_config = config_to_hf(config)
     if is_task:
         metadata["sapiens2_head_config"] = json.dumps(model.head_config.to_dict(), allow_nan=False)
-        if model.head_config.task in HF_TASK_CLASS_OF:
+        if hf_head_problem(model.head_config) is None:
             hf_config.update(head_config_to_hf(model.head_config))
-        else:
+        else:  # our own field; transformers cannot load this model, we can
             hf_config.update(architectures=[type(model).__name__], sapiens2_head_config=model.head_config.to_dict())
     path = Path(path)
     if path.suffix == ".safetensors":

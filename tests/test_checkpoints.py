@@ -173,6 +173,24 @@ def test_pixel_shuffle_heads_with_other_output_counts_and_scale_fields(task, cha
     assert_same_outputs(ours, hf, torch.randn(1, 3, 64, 48), task)
 
 
+def test_transposed_heads_whose_padding_differs_in_transformers_are_refused(tmp_path):
+    """transformers pads a transposed head's layers in its own way, which matches the original only for
+    the released kernel sizes: other sizes would load and compute something else, so they are refused."""
+    hf = hf_task_model("seg", tmp_path, dict(upsample_out_channels=[8], upsample_kernel_sizes=[3],
+                                             conv_out_channels=[8], conv_kernel_sizes=[3]))
+    with torch.no_grad():
+        assert hf(torch.randn(1, 3, 64, 48)).logits.shape[-2:] == (5, 3)  # not 2x the 4x3 feature map
+    with pytest.raises(ValueError, match=r"upsample kernels \[3\] and conv kernels \[3\]: only 4 and 1"):
+        weights.load(tmp_path)
+    # ours (the original's padding) save with our own head field, and refuse the HF format
+    ours = heads.build_task_model(sapiens2.Sapiens2Config(32, 2, 2, image_size=(64, 48)),
+                                  heads.HeadConfig("seg", (8,), (8,), 4, upsample_kernel_sizes=(3,), conv_kernel_sizes=(3,)))
+    weights.save(ours, tmp_path / "ours")
+    assert "sapiens2_head_config" in json.loads((tmp_path / "ours" / "config.json").read_text())
+    with pytest.raises(ValueError, match="pads transposed heads differently"):
+        weights.save(ours, tmp_path / "hf", format="hf")
+
+
 def test_output_count_is_cross_checked_with_the_predictor(tmp_path):
     hf_task_model("seg", tmp_path / "hf", dict(upsample_out_channels=[8], conv_out_channels=[8]),
                   id2label={i: f"c{i}" for i in range(4)})
@@ -204,6 +222,19 @@ def test_deeper_heads_saved_by_transformers_load(task, tmp_path):
     keys = set(safe_open(str(tmp_path / "model.safetensors"), "pt").keys())
     assert "decode_head.deconv_layers.0.weight" in keys and "decode_head.upsample_layers.4.convolution.weight" in keys
     assert_same_outputs(weights.load(tmp_path, rope_dtype="float32"), hf, torch.randn(1, 3, 32, 32), task)
+
+
+@pytest.mark.parametrize("task", ["normal", "pointmap"])
+def test_deeper_pixel_shuffle_heads_saved_by_transformers_load(task, tmp_path):
+    # 4 refinement convs and (pointmap) 4 scale convs: the 4th of each keeps its HF-native name in the file
+    head = {**PIXEL_SHUFFLE, "conv_out_channels": [8, 8, 8, 4], "conv_kernel_sizes": [3, 3, 3, 3]}
+    if task == "pointmap":
+        head.update(scale_conv_out_channels=[16, 16, 8, 8], scale_final_hidden_sizes=[16, 8])
+    hf = hf_task_model(task, tmp_path, head, image_size=(288, 288))
+    keys = set(safe_open(str(tmp_path / "model.safetensors"), "pt").keys())
+    assert "decode_head.conv_layers.3.convolution.weight" in keys
+    assert task != "pointmap" or "scale_head.conv_layers.3.convolution.weight" in keys
+    assert_same_outputs(weights.load(tmp_path, rope_dtype="float32"), hf, torch.randn(1, 3, 288, 288), task)
 
 
 # ----------------------------------------------------------------------------------------------------
