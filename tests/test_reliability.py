@@ -81,7 +81,8 @@ def make_bad_checkpoint(kind: str, checkpoints, folder: Path) -> tuple[Path, str
         target.write_bytes(data[: len(data) // 2])
         return target, str(target), "not a readable safetensors file"
     if kind == "wrong-shapes":
-        state["decode_head.conv_seg.weight"] = torch.zeros(3, 4, 1, 1)
+        weight = state["decode_head.conv_seg.weight"]  # its class count kept: a wrong count has its own message
+        state["decode_head.conv_seg.weight"] = torch.zeros(weight.shape[0], weight.shape[1] + 1, 1, 1)
         save_file(state, target, metadata=meta)
         return target, str(target), "mis-shaped"
     if kind == "missing-keys":
