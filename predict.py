@@ -26,7 +26,6 @@ import os
 import platform
 import posixpath
 import re
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -40,11 +39,12 @@ import safetensors
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
-from safetensors.torch import save_file
 
 import heads
 import processing
 import weights
+from safe_io import (FOLDER_WRITE_ERRORS, REPEATING_WRITE_ERRORS, atomic_write, check_writable, json_text,
+                     os_error_text, probe_error, remove_stale_temporaries)
 from metadata import keypoint_metadata
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
 
@@ -731,101 +731,6 @@ def stamp_random(picture: Image.Image) -> Image.Image:
     return picture
 
 
-def atomic_write(path: Path, value):
-    """Write to a temporary file beside `path` and rename it, so an interrupted run never leaves a half-written
-    output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
-    two processes writing the same OUT never share one; a failed write removes it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # the name shortened so that the temporary's name fits where the output's does (255 bytes)
-    temp = path.with_name(f".{path.name[:150]}.{os.getpid()}.{secrets.token_hex(4)}.partial")
-    try:
-        with open(temp, "xb"):  # exclusive: fails rather than share a name
-            pass
-        write_value(temp, value, path.suffix)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            temp.unlink(missing_ok=True)
-        except OSError:  # a read-only file system refuses even that; the original error is what matters
-            pass
-        raise
-
-
-TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.partial$")  # atomic_write's names: .NAME.PID.RANDOM.partial
-STALE_AFTER_S = 600
-
-
-def remove_stale_temporaries(out: Path) -> int:
-    """Temporaries left in OUT by a killed run (kill -9, power loss): those of a process that no longer runs
-    here, untouched for 10 minutes (on a shared disk the process may run on another machine, and would still be
-    writing). Returns how many were removed."""
-    removed, now = 0, time.time()
-    for folder, _, files in os.walk(out):
-        for name in files:
-            match = TEMPORARY.match(name)
-            path = Path(folder) / name
-            try:
-                if match and not process_alive(int(match[1])) and now - path.stat().st_mtime > STALE_AFTER_S:
-                    path.unlink()
-                    removed += 1
-            except OSError:  # gone meanwhile, or not ours to remove: leave it
-                pass
-    return removed
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # alive, another user's (or an impossible pid: do not guess)
-    return True
-
-
-def write_value(file: Path, value, suffix: str):
-    """value: text or bytes (as is), a dict (strict .json), an array (.npy), (tensors, metadata) (.safetensors),
-    a PIL image (.png, .jpg)."""
-    if isinstance(value, str):
-        file.write_text(value)
-    elif isinstance(value, bytes):
-        file.write_bytes(value)
-    elif suffix == ".json":
-        file.write_text(json_text(value))
-    elif suffix == ".npy":
-        with open(file, "wb") as f:
-            np.save(f, value)
-    elif suffix == ".safetensors":
-        tensors, metadata = value
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata)
-    elif suffix == ".jpg":
-        value.save(file, format="JPEG", quality=90)
-    else:
-        value.save(file, format="PNG")
-
-
-def json_text(value, indent: int | None = None) -> str:
-    """Strict JSON (NaN and Infinity are not JSON; many parsers reject them): non-finite numbers become null."""
-    return json.dumps(finite_or_null(value), indent=indent, allow_nan=False)
-
-
-def finite_or_null(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: finite_or_null(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    return value
-
-
-def check_writable(folder: Path):
-    """Write and remove a probe file through the same writer as the outputs; raises the OSError if it fails."""
-    probe = folder / "sapiens2-write-test"  # its temporary is hidden, like every output's
-    atomic_write(probe, b"probe")
-    probe.unlink(missing_ok=True)
-
-
 def prepare_output_folder(out: Path):
     """Fail fast, before any model loads, on an OUT that is a file, under a file, read-only or not ours to write."""
     try:
@@ -835,13 +740,6 @@ def prepare_output_folder(out: Path):
         check_writable(out)
     except OSError as error:
         raise UsageError(f"-o {out}: cannot write there ({os_error_text(error)})") from None
-
-
-def os_error_text(error: OSError) -> str:
-    """`No space left on device (ENOSPC): out/a.seg.png` from an OSError."""
-    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
-    where = f": {error.filename}" if error.filename else ""
-    return f"{error.strerror or error}{code}{where}"
 
 
 def expected_outputs(ctx: Context, item: InputImage) -> list[Path]:
@@ -884,8 +782,6 @@ def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: d
 # ----------------------------------------------------------------------------------------------------
 # The run: batches, per-image errors, write errors, progress
 # ----------------------------------------------------------------------------------------------------
-REPEATING_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-FOLDER_WRITE_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM}  # may concern one folder only
 
 
 class StopRun(Exception):
@@ -944,13 +840,6 @@ def stop_or_block(ctx: Context, item: InputImage, error: OSError):
         reason = f"{os_error_text(out_error)} (OUT itself; after {reason})"
     raise StopRun(reason)
 
-
-def probe_error(folder: Path) -> OSError | None:
-    try:
-        check_writable(folder)
-    except OSError as error:
-        return error
-    return None
 
 
 def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:

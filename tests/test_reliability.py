@@ -1,7 +1,7 @@
 """predict.py and weights.load under bad input, faults and concurrency (issue 12): a correct result, or one clear
 line naming the file/argument with exit status 2; other images' outputs complete; no partial or stale files;
 nothing written outside OUT. Write faults (disk full, read-only, no permission) are injected by wrapping
-predict.write_value, the one function every output, manifest and probe goes through (tests run as root, where
+safe_io.write_value, the one function every output, manifest and probe goes through (tests run as root, where
 chmod cannot make a folder read-only)."""
 
 import errno
@@ -18,6 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import predict
+import safe_io
 import weights
 from test_predict import model_args, tiny_model, write_images
 
@@ -230,8 +231,8 @@ def test_existing_paths_with_glob_characters_are_taken_literally(tmp_path, monke
 # The output folder: unusable -> exit 2 before any model loads
 # ----------------------------------------------------------------------------------------------------
 def faulty_writer(monkeypatch, fault):
-    """Wrap predict.write_value: `fault(file)` returns an errno to raise after half-writing the file, or None."""
-    real = predict.write_value
+    """Wrap safe_io.write_value: `fault(file)` returns an errno to raise after half-writing the file, or None."""
+    real = safe_io.write_value
 
     def write_value(file, value, suffix):
         code = fault(Path(file))
@@ -240,7 +241,7 @@ def faulty_writer(monkeypatch, fault):
         Path(file).write_bytes(b"half a file")  # the temporary is left behind unless the writer removes it
         raise OSError(code, __import__("os").strerror(code), str(file))
 
-    monkeypatch.setattr(predict, "write_value", write_value)
+    monkeypatch.setattr(safe_io, "write_value", write_value)
 
 
 def test_unusable_output_folder_fails_fast(image, tmp_path, monkeypatch, capsys, no_model_loads):
@@ -334,7 +335,7 @@ def test_out_turning_read_only_mid_run_stops(checkpoints, tmp_path, monkeypatch,
 
 def write_many(path: str, payload: bytes, count: int):
     for _ in range(count):
-        predict.atomic_write(Path(path), payload)
+        safe_io.atomic_write(Path(path), payload)
 
 
 def test_temporary_names_are_unique_per_writer(tmp_path):
@@ -351,13 +352,13 @@ def test_temporary_names_are_unique_per_writer(tmp_path):
     assert [p.exitcode for p in processes] == [0, 0]
     assert target.read_bytes() in payloads and no_partials(tmp_path)
     names = []
-    real = predict.write_value
+    real = safe_io.write_value
     try:
-        predict.write_value = lambda file, value, suffix: names.append(file.name) or real(file, value, suffix)
-        predict.atomic_write(target, b"x")
-        predict.atomic_write(target, b"y")
+        safe_io.write_value = lambda file, value, suffix: names.append(file.name) or real(file, value, suffix)
+        safe_io.atomic_write(target, b"x")
+        safe_io.atomic_write(target, b"y")
     finally:
-        predict.write_value = real
+        safe_io.write_value = real
     assert names[0] != names[1] and all(re.fullmatch(rf"\.same\.bin\.{__import__('os').getpid()}\.[0-9a-f]{{8}}"
                                                      r"\.partial", n) for n in names)
 
@@ -404,7 +405,7 @@ def test_pose_with_odd_boxes(checkpoints, image, tmp_path, capsys):
 
 
 def test_json_is_strict():
-    assert predict.json_text({"a": [float("nan"), 1.5, float("inf")], "b": (float("-inf"),)}) == \
+    assert safe_io.json_text({"a": [float("nan"), 1.5, float("inf")], "b": (float("-inf"),)}) == \
         '{"a": [null, 1.5, null], "b": [null]}'
 
 
