@@ -18,6 +18,7 @@ blobs, small ones dropped), else the whole image. The flip test is on by default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import glob
 import json
@@ -756,27 +757,38 @@ def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor, result: d
     repeat (disk full, read-only, no permission) is raised, for the run to decide what to stop."""
     failures = []
     for task in ctx.tasks:
-        needs_mask = task in MASKED_TASKS and ctx.mask_with_seg
-        for failed in (result[task], result["mask"] if needs_mask else None):
-            if isinstance(failed, TaskFailed):
-                failures.append((task, failed.error if failed is result[task] else
-                                 RuntimeError(f"--mask-with-seg: the segmentation failed ({failed.error})")))
-                break
-        else:
-            written = []  # a task's files are all or nothing: a failure removes the ones it wrote
-            try:
-                makers = render(task, item, image, result, ctx.models[task])
-                for suffix, kinds in ARTEFACTS[task].items():
-                    if kinds & ctx.kinds:
-                        written.append(ctx.out / (ctx.names[item] + suffix))
-                        atomic_write(written[-1], makers[suffix]())
-            except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
-                for path in written[:-1]:
-                    path.unlink(missing_ok=True)
-                if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
-                    raise
-                failures.append((task, error))
+        try:
+            inference_error(ctx, task, result)
+            write_task(ctx, task, item, image, result)
+        except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
+            if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
+                raise
+            failures.append((task, error))
     return failures
+
+
+def inference_error(ctx: Context, task: str, result: dict):
+    """Raise the error of a task whose inference failed (or whose --mask-with-seg segmentation did)."""
+    if isinstance(result[task], TaskFailed):
+        raise result[task].error
+    if task in MASKED_TASKS and isinstance(result["mask"], TaskFailed):
+        raise RuntimeError(f"--mask-with-seg: the segmentation failed ({result['mask'].error})")
+
+
+def write_task(ctx: Context, task: str, item: InputImage, image: torch.Tensor, result: dict):
+    """A task's files, all or nothing: a failure removes the ones already written."""
+    written = []
+    try:
+        makers = render(task, item, image, result, ctx.models[task])
+        for suffix, kinds in ARTEFACTS[task].items():
+            if kinds & ctx.kinds:
+                atomic_write(ctx.out / (ctx.names[item] + suffix), makers[suffix]())
+                written.append(ctx.out / (ctx.names[item] + suffix))
+    except BaseException:
+        for path in written:
+            with contextlib.suppress(OSError):  # the write error is what to report, not this
+                path.unlink(missing_ok=True)
+        raise
 
 
 # ----------------------------------------------------------------------------------------------------

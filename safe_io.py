@@ -11,6 +11,7 @@ that writes into a user's folder. `write_value` is the one place bytes reach the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -41,10 +42,8 @@ def atomic_write(path: Path, value):
         write_value(temp, value, path.suffix)
         os.replace(temp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):  # a read-only file system refuses even that; the write error matters
             temp.unlink(missing_ok=True)
-        except OSError:  # a read-only file system refuses even that; the original error is what matters
-            pass
         raise
 
 
