@@ -27,7 +27,9 @@ import os
 import platform
 import posixpath
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -776,14 +778,15 @@ def inference_error(ctx: Context, task: str, result: dict):
 
 
 def write_task(ctx: Context, task: str, item: InputImage, image: torch.Tensor, result: dict):
-    """A task's files, all or nothing: a failure removes the ones already written."""
+    """A task's files, all or nothing: a failure (or Ctrl-C) removes the ones written, and an older version of
+    the file being written, which would not belong with the new ones."""
     written = []
     try:
         makers = render(task, item, image, result, ctx.models[task])
         for suffix, kinds in ARTEFACTS[task].items():
             if kinds & ctx.kinds:
-                atomic_write(ctx.out / (ctx.names[item] + suffix), makers[suffix]())
-                written.append(ctx.out / (ctx.names[item] + suffix))
+                written.append(ctx.out / (ctx.names[item] + suffix))  # before: a signal may land after the rename
+                atomic_write(written[-1], makers[suffix]())
     except BaseException:
         for path in written:
             with contextlib.suppress(OSError):  # the write error is what to report, not this
@@ -1108,16 +1111,31 @@ def random_banner(models: dict[str, LoadedModel]) -> str:
             f"!!  For real results download the weights (see the message above) and run again.\n{bar}\n")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (torchrun stopping the other ranks, a job scheduler, `kill`): handled like Ctrl-C, so temporaries
+    are removed and the manifest says "interrupted" with the images not attempted."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
         return run(args, argv if argv is not None else sys.argv[1:])
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: the outputs written so far are complete; --skip-existing resumes", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(f"\n{'terminated' if isinstance(stop, Terminated) else 'interrupted'}: the outputs written so far are "
+              f"complete; --skip-existing resumes", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run(args, argv: list[str]) -> int:

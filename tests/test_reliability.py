@@ -617,3 +617,30 @@ def test_bad_device_exits_2_before_loading(image, tmp_path, capsys, no_model_loa
     if not torch.cuda.is_available():
         assert predict.main(["seg", str(image), "-o", str(tmp_path), "--device", "cuda"]) == 2
         assert "no CUDA GPU is visible; use --device cpu" in capsys.readouterr().err
+
+
+def test_sigterm_finalises_the_manifest(checkpoints, tmp_path):
+    """torchrun stops the other ranks with SIGTERM when one exits non-zero (a stopped run), schedulers do before
+    SIGKILL: handled like Ctrl-C, the manifest says interrupted and lists what was not attempted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    folder = write_images(tmp_path / "in", {f"{i:03d}.png": (12, 10) for i in range(400)})
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, str(ROOT / "predict.py"), "seg", str(folder), "-o", str(out),
+                                "--model", str(checkpoints["seg"])], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not (out / "005.seg_overlay.jpg").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert "terminated: the outputs written so far are complete" in err and "Traceback" not in err
+    manifest = strict_json(out / "run.json")
+    counts = manifest["counts"]
+    assert manifest["status"] == "interrupted" and counts["not_attempted"] > 0
+    assert counts["written"] + counts["failed"] + counts["not_attempted"] == 400 and counts["failed"] == 0
+    assert len(list(out.glob("*.seg.png"))) == counts["written"] and no_partials(tmp_path)
