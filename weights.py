@@ -573,7 +573,8 @@ def download(repo_id: str, revision: str = "main", progress: bool = True) -> Pat
     have = lambda name: (local / name).exists()  # noqa: E731
     if have("model.safetensors") or have("model.safetensors.index.json"):
         index = local / "model.safetensors.index.json"
-        shards = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else set()
+        weight_map = _read_json(index).get("weight_map") if index.exists() else None
+        shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()  # bad: reading says why
         if all(have(s) for s in shards):
             return local
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
@@ -585,8 +586,8 @@ def download(repo_id: str, revision: str = "main", progress: bool = True) -> Pat
         if not _fetch(url + "model.safetensors", local / "model.safetensors", progress):
             if not _fetch(url + "model.safetensors.index.json", local / "model.safetensors.index.json", False):
                 raise FileNotFoundError(f"{repo_id}@{revision} has neither model.safetensors nor an index at {url}")
-            index = json.loads((local / "model.safetensors.index.json").read_text())
-            for shard in sorted(set(index["weight_map"].values())):
+            weight_map = _read_json(local / "model.safetensors.index.json").get("weight_map")
+            for shard in sorted(set(weight_map.values()) if isinstance(weight_map, dict) else ()):
                 if not have(shard) and not _fetch(url + shard, local / shard, progress):
                     raise FileNotFoundError(f"{repo_id}: shard {shard} listed in the index is missing at {url}")
     except FileNotFoundError:

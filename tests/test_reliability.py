@@ -644,3 +644,16 @@ def test_sigterm_finalises_the_manifest(checkpoints, tmp_path):
     assert manifest["status"] == "interrupted" and counts["not_attempted"] > 0
     assert counts["written"] + counts["failed"] + counts["not_attempted"] == 400 and counts["failed"] == 0
     assert len(list(out.glob("*.seg.png"))) == counts["written"] and no_partials(tmp_path)
+
+
+def test_a_broken_cached_hub_index_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    index = tmp_path / "facebook--sapiens2-x" / "main" / "model.safetensors.index.json"
+    index.parent.mkdir(parents=True)
+    index.write_text('{"weight_map": ')
+    with pytest.raises(weights.CheckpointError, match=re.escape(f"{index}: not valid JSON")):
+        weights.load("facebook/sapiens2-x")
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(weights.CheckpointError, match=re.escape(f'{index}: no "weight_map" object')):
+        weights.load("facebook/sapiens2-x")
