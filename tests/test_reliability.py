@@ -657,3 +657,12 @@ def test_a_broken_cached_hub_index_names_the_file(tmp_path, monkeypatch):
     index.write_text('{"metadata": {}}')
     with pytest.raises(weights.CheckpointError, match=re.escape(f'{index}: no "weight_map" object')):
         weights.load("facebook/sapiens2-x")
+
+
+def test_processing_keeps_one_pixel_sides():
+    import processing
+    assert processing.resized_content_box((3, 2000), (1024, 768)) == (511, 0, 512, 768)  # was a 0-pixel height
+    assert processing.resized_content_box((2000, 3), (1024, 768)) == (0, 383, 1024, 384)
+    dot = torch.tensor([10, 20, 30], dtype=torch.uint8).reshape(3, 1, 1)
+    crop = processing.crop_people(dot, [[0.0, 0.0, 1.0, 1.0]], (64, 48))  # was NaN (a division by W - 1 = 0)
+    assert crop.shape == (1, 3, 64, 48) and torch.equal(crop[0, :, 5, 7], torch.tensor([10.0, 20.0, 30.0]))
