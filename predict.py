@@ -879,7 +879,9 @@ def fail(ctx: Context, item: InputImage, failures: list[tuple[str | None, Except
 
 def one_line(message: str, limit: int = 600) -> str:
     """A multi-line message (a checkpoint's key listing) as one line, shortened."""
-    text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    text = ""
+    for line in (line.strip() for line in str(message).splitlines() if line.strip()):
+        text += ("" if not text else " " if text.endswith(":") else "; ") + line
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -1026,8 +1028,15 @@ def parse_kinds(text: str) -> set[str]:
     return kinds
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error here (the usage text is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="predict.py", description="Run Sapiens2 on images: " + ", ".join(TASKS) + ".",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="outputs per image (under OUT, mirroring the inputs' paths):\n" + "\n".join(
