@@ -7,17 +7,24 @@ chmod cannot make a folder read-only)."""
 import errno
 import json
 import multiprocessing
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import predict
+import processing
 import safe_io
 import weights
 from test_predict import model_args, tiny_model, write_images
@@ -68,7 +75,6 @@ def seg_state(checkpoints):
 
 
 def safe_metadata(path):
-    from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         return f.metadata()
 
@@ -239,7 +245,7 @@ def faulty_writer(monkeypatch, fault):
         if code is None:
             return real(file, value, suffix)
         Path(file).write_bytes(b"half a file")  # the temporary is left behind unless the writer removes it
-        raise OSError(code, __import__("os").strerror(code), str(file))
+        raise OSError(code, os.strerror(code), str(file))
 
     monkeypatch.setattr(safe_io, "write_value", write_value)
 
@@ -359,7 +365,7 @@ def test_temporary_names_are_unique_per_writer(tmp_path):
         safe_io.atomic_write(target, b"y")
     finally:
         safe_io.write_value = real
-    assert names[0] != names[1] and all(re.fullmatch(rf"\.same\.bin\.{__import__('os').getpid()}\.[0-9a-f]{{8}}"
+    assert names[0] != names[1] and all(re.fullmatch(rf"\.same\.bin\.{os.getpid()}\.[0-9a-f]{{8}}"
                                                      r"\.partial", n) for n in names)
 
 
@@ -590,10 +596,6 @@ def test_a_file_that_cannot_be_replaced_fails_its_image_only(checkpoints, tmp_pa
 
 
 def test_skip_existing_removes_temporaries_of_killed_runs(checkpoints, image, tmp_path, capsys):
-    import os
-    import subprocess
-    import sys
-    import time
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a pid that has exited
     out = tmp_path / "out"
@@ -623,11 +625,6 @@ def test_bad_device_exits_2_before_loading(image, tmp_path, capsys, no_model_loa
 def test_sigterm_finalises_the_manifest(checkpoints, tmp_path):
     """torchrun stops the other ranks with SIGTERM when one exits non-zero (a stopped run), schedulers do before
     SIGKILL: handled like Ctrl-C, the manifest says interrupted and lists what was not attempted."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
     folder = write_images(tmp_path / "in", {f"{i:03d}.png": (12, 10) for i in range(400)})
     out = tmp_path / "out"
     process = subprocess.Popen([sys.executable, str(ROOT / "predict.py"), "seg", str(folder), "-o", str(out),
@@ -661,7 +658,6 @@ def test_a_broken_cached_hub_index_names_the_file(tmp_path, monkeypatch):
 
 
 def test_processing_keeps_one_pixel_sides():
-    import processing
     assert processing.resized_content_box((3, 2000), (1024, 768)) == (511, 0, 512, 768)  # was a 0-pixel height
     assert processing.resized_content_box((2000, 3), (1024, 768)) == (0, 383, 1024, 384)
     dot = torch.tensor([10, 20, 30], dtype=torch.uint8).reshape(3, 1, 1)
