@@ -663,3 +663,25 @@ def test_processing_keeps_one_pixel_sides():
     dot = torch.tensor([10, 20, 30], dtype=torch.uint8).reshape(3, 1, 1)
     crop = processing.crop_people(dot, [[0.0, 0.0, 1.0, 1.0]], (64, 48))  # was NaN (a division by W - 1 = 0)
     assert crop.shape == (1, 3, 64, 48) and torch.equal(crop[0, :, 5, 7], torch.tensor([10.0, 20.0, 30.0]))
+
+
+def test_a_failed_segmentation_fails_what_needs_it_only(checkpoints, tmp_path, monkeypatch, capsys):
+    """--mask-with-seg tasks of that image fail (saying why); pose falls back to the whole image; b is whole."""
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (16, 20)})
+    real = predict.run_seg
+
+    def seg_fails_on_a(ctx, images):
+        if any(image.shape[-2:] == (20, 16) for image in images):
+            raise RuntimeError("simulated seg failure")
+        return real(ctx, images)
+
+    monkeypatch.setattr(predict, "run_seg", seg_fails_on_a)
+    out = tmp_path / "out"
+    assert predict.main(["pose,normal", str(folder), "-o", str(out), "--mask-with-seg", "--no-flip", "--batch-size",
+                         "2", *model_args(checkpoints, ["seg", "pose", "normal"])]) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["errors"] == [{"image": str(folder / "a.jpg"), "task": "normal", "error":
+                                   "RuntimeError: --mask-with-seg: the segmentation failed (simulated seg failure)"}]
+    assert outputs_of(out, "a") == {"a.pose.json", "a.pose_overlay.jpg"}
+    assert strict_json(out / "a.pose.json")["box_source"] == "whole-image"
+    assert len(outputs_of(out, "b")) == 4
