@@ -34,8 +34,9 @@ def atomic_write(path: Path, value):
     output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
     two processes writing the same OUT never share one; a failed write removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # the name shortened so that the temporary's name fits where the output's does (255 bytes)
-    temp = path.with_name(f".{path.name[:150]}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    # a long name shortened, so that the temporary's name fits where the output's does (255 bytes)
+    name = path.name if len(os.fsencode(path.name)) <= 200 else path.name[:50]
+    temp = path.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
     try:
         with open(temp, "xb"):  # exclusive: fails rather than share a name
             pass

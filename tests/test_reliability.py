@@ -685,3 +685,9 @@ def test_a_failed_segmentation_fails_what_needs_it_only(checkpoints, tmp_path, m
     assert outputs_of(out, "a") == {"a.pose.json", "a.pose_overlay.jpg"}
     assert strict_json(out / "a.pose.json")["box_source"] == "whole-image"
     assert len(outputs_of(out, "b")) == 4
+
+
+def test_a_name_near_the_length_limit_still_gets_a_temporary(tmp_path):
+    target = tmp_path / ("é" * 120 + ".seg.png")  # 248 bytes: the output fits, a longer temporary would not
+    safe_io.atomic_write(target, b"ok")
+    assert target.read_bytes() == b"ok" and no_partials(tmp_path)
