@@ -20,6 +20,7 @@ as in the original demo.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import glob
 import json
@@ -27,8 +28,9 @@ import math
 import os
 import posixpath
 import re
-import secrets
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +41,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
-from safetensors.torch import save_file
 
 import detect
 import formats
@@ -48,6 +49,8 @@ import processing
 import tracking
 import video
 import weights
+from safe_io import (FOLDER_WRITE_ERRORS, REPEATING_WRITE_ERRORS, atomic_write, check_writable, json_text,
+                     os_error_text, probe_error, remove_stale_temporaries)
 from metadata import keypoint_metadata
 from runtime_info import versions
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
@@ -793,101 +796,6 @@ def stamp_random(picture: Image.Image) -> Image.Image:
     return picture
 
 
-def atomic_write(path: Path, value):
-    """Write to a temporary file beside `path` and rename it, so an interrupted run never leaves a half-written
-    output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
-    two processes writing the same OUT never share one; a failed write removes it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # the name shortened so that the temporary's name fits where the output's does (255 bytes)
-    temp = path.with_name(f".{path.name[:150]}.{os.getpid()}.{secrets.token_hex(4)}.partial")
-    try:
-        with open(temp, "xb"):  # exclusive: fails rather than share a name
-            pass
-        write_value(temp, value, path.suffix)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            temp.unlink(missing_ok=True)
-        except OSError:  # a read-only file system refuses even that; the original error is what matters
-            pass
-        raise
-
-
-TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.partial$")  # atomic_write's names: .NAME.PID.RANDOM.partial
-STALE_AFTER_S = 600
-
-
-def remove_stale_temporaries(out: Path) -> int:
-    """Temporaries left in OUT by a killed run (kill -9, power loss): those of a process that no longer runs
-    here, untouched for 10 minutes (on a shared disk the process may run on another machine, and would still be
-    writing). Returns how many were removed."""
-    removed, now = 0, time.time()
-    for folder, _, files in os.walk(out):
-        for name in files:
-            match = TEMPORARY.match(name)
-            path = Path(folder) / name
-            try:
-                if match and not process_alive(int(match[1])) and now - path.stat().st_mtime > STALE_AFTER_S:
-                    path.unlink()
-                    removed += 1
-            except OSError:  # gone meanwhile, or not ours to remove: leave it
-                pass
-    return removed
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # alive, another user's (or an impossible pid: do not guess)
-    return True
-
-
-def write_value(file: Path, value, suffix: str):
-    """value: text or bytes (as is), a dict (strict .json), an array (.npy), (tensors, metadata) (.safetensors),
-    a PIL image (.png, .jpg)."""
-    if isinstance(value, str):
-        file.write_text(value)
-    elif isinstance(value, bytes):
-        file.write_bytes(value)
-    elif suffix == ".json":
-        file.write_text(json_text(value))
-    elif suffix == ".npy":
-        with open(file, "wb") as f:
-            np.save(f, value)
-    elif suffix == ".safetensors":
-        tensors, metadata = value
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata)
-    elif suffix == ".jpg":
-        value.save(file, format="JPEG", quality=90)
-    else:
-        value.save(file, format="PNG")
-
-
-def json_text(value, indent: int | None = None) -> str:
-    """Strict JSON (NaN and Infinity are not JSON; many parsers reject them): non-finite numbers become null."""
-    return json.dumps(finite_or_null(value), indent=indent, allow_nan=False)
-
-
-def finite_or_null(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: finite_or_null(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    return value
-
-
-def check_writable(folder: Path):
-    """Write and remove a probe file through the same writer as the outputs; raises the OSError if it fails."""
-    probe = folder / "sapiens2-write-test"  # its temporary is hidden, like every output's
-    atomic_write(probe, b"probe")
-    probe.unlink(missing_ok=True)
-
-
 def prepare_output_folder(out: Path):
     """Fail fast, before any model loads, on an OUT that is a file, under a file, read-only or not ours to write."""
     try:
@@ -897,13 +805,6 @@ def prepare_output_folder(out: Path):
         check_writable(out)
     except OSError as error:
         raise UsageError(f"-o {out}: cannot write there ({os_error_text(error)})") from None
-
-
-def os_error_text(error: OSError) -> str:
-    """`No space left on device (ENOSPC): out/a.seg.png` from an OSError."""
-    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
-    where = f": {error.filename}" if error.filename else ""
-    return f"{error.strerror or error}{code}{where}"
 
 
 def expected_outputs(ctx: Context, item: InputImage) -> list[Path]:
@@ -922,40 +823,49 @@ def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor,
     raised, for the run to decide what to stop."""
     values, failures = {}, []
     for task in ctx.tasks:
-        needs_mask = task in MASKED_TASKS and ctx.mask_with_seg
-        for failed in (result[task], result["mask"] if needs_mask else None):
-            if isinstance(failed, TaskFailed):
-                failures.append((task, failed.error if failed is result[task] else
-                                 RuntimeError(f"--mask-with-seg: the segmentation failed ({failed.error})")))
-                break
-        else:
-            written = []  # a task's files are all or nothing: a failure removes the ones it wrote
-            try:
-                makers = render(task, item, image, result, ctx.models[task])
-                for suffix, kinds in ARTEFACTS[task].items():
-                    if kinds & ctx.kinds:
-                        written.append(ctx.out / (ctx.names[item] + suffix))
-                        values[suffix] = makers[suffix]()
-                        atomic_write(written[-1], values[suffix])
-            except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
-                for path in written[:-1]:
-                    path.unlink(missing_ok=True)
-                if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
-                    raise
-                for path in written[:-1]:
-                    values.pop(path.name[len(ctx.names[item]):], None)
-                failures.append((task, error))
+        try:
+            inference_error(ctx, task, result)
+            values.update(write_task(ctx, task, item, image, result))
+        except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
+            if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
+                raise
+            failures.append((task, error))
     pose_ok = isinstance(result.get("pose"), dict) and not any(task == "pose" for task, _ in failures)
     if ctx.coco is not None and pose_ok:
         ctx.coco.add(ctx.names[item], item.relative, result["pose"]["people"])
     return values, failures
 
 
+def inference_error(ctx: Context, task: str, result: dict):
+    """Raise the error of a task whose inference failed (or whose --mask-with-seg segmentation did)."""
+    if isinstance(result[task], TaskFailed):
+        raise result[task].error
+    if task in MASKED_TASKS and isinstance(result["mask"], TaskFailed):
+        raise RuntimeError(f"--mask-with-seg: the segmentation failed ({result['mask'].error})")
+
+
+def write_task(ctx: Context, task: str, item: InputImage, image: torch.Tensor, result: dict) -> dict:
+    """A task's files, all or nothing: a failure (or Ctrl-C) removes the ones written, and an older version of
+    the file being written, which would not belong with the new ones. Returns what went in them by suffix."""
+    written, values = [], {}
+    try:
+        makers = render(task, item, image, result, ctx.models[task])
+        for suffix, kinds in ARTEFACTS[task].items():
+            if kinds & ctx.kinds:
+                written.append(ctx.out / (ctx.names[item] + suffix))  # before: a signal may land after the rename
+                values[suffix] = makers[suffix]()
+                atomic_write(written[-1], values[suffix])
+        return values
+    except BaseException:
+        for path in written:
+            with contextlib.suppress(OSError):  # the write error is what to report, not this
+                path.unlink(missing_ok=True)
+        raise
+
+
 # ----------------------------------------------------------------------------------------------------
 # The run: batches, per-image errors, write errors, progress
 # ----------------------------------------------------------------------------------------------------
-REPEATING_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-FOLDER_WRITE_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM}  # may concern one folder only
 
 
 class StopRun(Exception):
@@ -1017,13 +927,6 @@ def stop_or_block(ctx: Context, item: InputImage, error: OSError):
     raise StopRun(reason)
 
 
-def probe_error(folder: Path) -> OSError | None:
-    try:
-        check_writable(folder)
-    except OSError as error:
-        return error
-    return None
-
 
 def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:
     folder = (ctx.out / ctx.names[item]).parent
@@ -1047,7 +950,9 @@ def fail(ctx: Context, item: InputImage, failures: list[tuple[str | None, Except
 
 def one_line(message: str, limit: int = 600) -> str:
     """A multi-line message (a checkpoint's key listing) as one line, shortened."""
-    text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    text = ""
+    for line in (line.strip() for line in str(message).splitlines() if line.strip()):
+        text += ("" if not text else " " if text.endswith(":") else "; ") + line
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -1185,8 +1090,15 @@ def parse_kinds(text: str) -> set[str]:
     return kinds
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error here (the usage text is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="predict.py", description="Run Sapiens2 on images: " + ", ".join(TASKS) + ".",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="outputs per image (under OUT, mirroring the inputs' paths):\n" + "\n".join(
@@ -1294,17 +1206,32 @@ def random_banner(models: dict[str, LoadedModel]) -> str:
             f"!!  For real results download the weights (see the message above) and run again.\n{bar}\n")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (torchrun stopping the other ranks, a job scheduler, `kill`): handled like Ctrl-C, so temporaries
+    are removed and the manifest says "interrupted" with the images not attempted."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.rope, args.resample = CONVENTIONS[args.conventions]["rope"], CONVENTIONS[args.conventions]["resample"]
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
         return run(args, argv if argv is not None else sys.argv[1:])
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: the outputs written so far are complete; --skip-existing resumes", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(f"\n{'terminated' if isinstance(stop, Terminated) else 'interrupted'}: the outputs written so far are "
+              f"complete; --skip-existing resumes", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run(args, argv: list[str]) -> int:

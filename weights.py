@@ -903,7 +903,7 @@ def _names_the_source(load_function):
     def load_checked(source, *args, **kwargs):
         try:
             model = load_function(source, *args, **kwargs)
-        except (FileNotFoundError, CheckpointError, MemoryError, torch.OutOfMemoryError):
+        except (FileNotFoundError, CheckpointError, MemoryError, torch.cuda.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001 (key errors, bad shapes, bad config fields...: all name the file)
             detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"  # KeyError: 'x' says little

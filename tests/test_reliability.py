@@ -1,23 +1,31 @@
 """predict.py and weights.load under bad input, faults and concurrency (issue 12): a correct result, or one clear
 line naming the file/argument with exit status 2; other images' outputs complete; no partial or stale files;
 nothing written outside OUT. Write faults (disk full, read-only, no permission) are injected by wrapping
-predict.write_value, the one function every output, manifest and probe goes through (tests run as root, where
+safe_io.write_value, the one function every output, manifest and probe goes through (tests run as root, where
 chmod cannot make a folder read-only)."""
 
 import errno
 import json
 import multiprocessing
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import predict
+import processing
+import safe_io
 import weights
 from test_predict import model_args, tiny_model, write_images
 
@@ -67,7 +75,6 @@ def seg_state(checkpoints):
 
 
 def safe_metadata(path):
-    from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         return f.metadata()
 
@@ -231,17 +238,17 @@ def test_existing_paths_with_glob_characters_are_taken_literally(tmp_path, monke
 # The output folder: unusable -> exit 2 before any model loads
 # ----------------------------------------------------------------------------------------------------
 def faulty_writer(monkeypatch, fault):
-    """Wrap predict.write_value: `fault(file)` returns an errno to raise after half-writing the file, or None."""
-    real = predict.write_value
+    """Wrap safe_io.write_value: `fault(file)` returns an errno to raise after half-writing the file, or None."""
+    real = safe_io.write_value
 
     def write_value(file, value, suffix):
         code = fault(Path(file))
         if code is None:
             return real(file, value, suffix)
         Path(file).write_bytes(b"half a file")  # the temporary is left behind unless the writer removes it
-        raise OSError(code, __import__("os").strerror(code), str(file))
+        raise OSError(code, os.strerror(code), str(file))
 
-    monkeypatch.setattr(predict, "write_value", write_value)
+    monkeypatch.setattr(safe_io, "write_value", write_value)
 
 
 def test_unusable_output_folder_fails_fast(image, tmp_path, monkeypatch, capsys, no_model_loads):
@@ -335,7 +342,7 @@ def test_out_turning_read_only_mid_run_stops(checkpoints, tmp_path, monkeypatch,
 
 def write_many(path: str, payload: bytes, count: int):
     for _ in range(count):
-        predict.atomic_write(Path(path), payload)
+        safe_io.atomic_write(Path(path), payload)
 
 
 def test_temporary_names_are_unique_per_writer(tmp_path):
@@ -352,14 +359,14 @@ def test_temporary_names_are_unique_per_writer(tmp_path):
     assert [p.exitcode for p in processes] == [0, 0]
     assert target.read_bytes() in payloads and no_partials(tmp_path)
     names = []
-    real = predict.write_value
+    real = safe_io.write_value
     try:
-        predict.write_value = lambda file, value, suffix: names.append(file.name) or real(file, value, suffix)
-        predict.atomic_write(target, b"x")
-        predict.atomic_write(target, b"y")
+        safe_io.write_value = lambda file, value, suffix: names.append(file.name) or real(file, value, suffix)
+        safe_io.atomic_write(target, b"x")
+        safe_io.atomic_write(target, b"y")
     finally:
-        predict.write_value = real
-    assert names[0] != names[1] and all(re.fullmatch(rf"\.same\.bin\.{__import__('os').getpid()}\.[0-9a-f]{{8}}"
+        safe_io.write_value = real
+    assert names[0] != names[1] and all(re.fullmatch(rf"\.same\.bin\.{os.getpid()}\.[0-9a-f]{{8}}"
                                                      r"\.partial", n) for n in names)
 
 
@@ -405,7 +412,7 @@ def test_pose_with_odd_boxes(checkpoints, image, tmp_path, capsys):
 
 
 def test_json_is_strict():
-    assert predict.json_text({"a": [float("nan"), 1.5, float("inf")], "b": (float("-inf"),)}) == \
+    assert safe_io.json_text({"a": [float("nan"), 1.5, float("inf")], "b": (float("-inf"),)}) == \
         '{"a": [null, 1.5, null], "b": [null]}'
 
 
@@ -468,7 +475,8 @@ def test_a_failing_task_fails_alone(checkpoints, tmp_path, monkeypatch, capsys):
 def test_bad_options_exit_2_before_loading(option, value, phrase, image, capsys, no_model_loads):
     with pytest.raises(SystemExit) as info:
         predict.main(["seg", str(image), option, value])
-    assert info.value.code == 2 and phrase in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()  # one line, no usage banner
+    assert info.value.code == 2 and line.startswith(f"error: argument {option}: ") and phrase in line
 
 
 @pytest.mark.parametrize("env,phrase", [
@@ -589,10 +597,6 @@ def test_a_file_that_cannot_be_replaced_fails_its_image_only(checkpoints, tmp_pa
 
 
 def test_skip_existing_removes_temporaries_of_killed_runs(checkpoints, image, tmp_path, capsys):
-    import os
-    import subprocess
-    import sys
-    import time
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a pid that has exited
     out = tmp_path / "out"
@@ -617,3 +621,74 @@ def test_bad_device_exits_2_before_loading(image, tmp_path, capsys, no_model_loa
     if not torch.cuda.is_available():
         assert predict.main(["seg", str(image), "-o", str(tmp_path), "--device", "cuda"]) == 2
         assert "no CUDA GPU is visible; use --device cpu" in capsys.readouterr().err
+
+
+def test_sigterm_finalises_the_manifest(checkpoints, tmp_path):
+    """torchrun stops the other ranks with SIGTERM when one exits non-zero (a stopped run), schedulers do before
+    SIGKILL: handled like Ctrl-C, the manifest says interrupted and lists what was not attempted."""
+    folder = write_images(tmp_path / "in", {f"{i:03d}.png": (12, 10) for i in range(400)})
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, str(ROOT / "predict.py"), "seg", str(folder), "-o", str(out),
+                                "--model", str(checkpoints["seg"])], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not (out / "005.seg_overlay.jpg").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert "terminated: the outputs written so far are complete" in err and "Traceback" not in err
+    manifest = strict_json(out / "run.json")
+    counts = manifest["counts"]
+    assert manifest["status"] == "interrupted" and counts["not_attempted"] > 0
+    assert counts["written"] + counts["failed"] + counts["not_attempted"] == 400 and counts["failed"] == 0
+    assert len(list(out.glob("*.seg.png"))) == counts["written"] and no_partials(tmp_path)
+
+
+def test_a_broken_cached_hub_index_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    index = tmp_path / "facebook--sapiens2-x" / "main" / "model.safetensors.index.json"
+    index.parent.mkdir(parents=True)
+    index.write_text('{"weight_map": ')
+    with pytest.raises(weights.CheckpointError, match=re.escape(f"{index}: not valid JSON")):
+        weights.load("facebook/sapiens2-x")
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(weights.CheckpointError, match=re.escape(f'{index}: no "weight_map" object')):
+        weights.load("facebook/sapiens2-x")
+
+
+def test_processing_keeps_one_pixel_sides():
+    assert processing.resized_content_box((3, 2000), (1024, 768)) == (511, 0, 512, 768)  # was a 0-pixel height
+    assert processing.resized_content_box((2000, 3), (1024, 768)) == (0, 383, 1024, 384)
+    dot = torch.tensor([10, 20, 30], dtype=torch.uint8).reshape(3, 1, 1)
+    crop = processing.crop_people(dot, [[0.0, 0.0, 1.0, 1.0]], (64, 48))  # was NaN (a division by W - 1 = 0)
+    assert crop.shape == (1, 3, 64, 48) and torch.equal(crop[0, :, 5, 7], torch.tensor([10.0, 20.0, 30.0]))
+
+
+def test_a_failed_segmentation_fails_what_needs_it_only(checkpoints, tmp_path, monkeypatch, capsys):
+    """--mask-with-seg tasks of that image fail (saying why); pose falls back to the whole image; b is whole."""
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (16, 20)})
+    real = predict.run_seg
+
+    def seg_fails_on_a(ctx, images):
+        if any(image.shape[-2:] == (20, 16) for image in images):
+            raise RuntimeError("simulated seg failure")
+        return real(ctx, images)
+
+    monkeypatch.setattr(predict, "run_seg", seg_fails_on_a)
+    out = tmp_path / "out"
+    assert predict.main(["pose,normal", str(folder), "-o", str(out), "--mask-with-seg", "--no-flip", "--batch-size",
+                         "2", *model_args(checkpoints, ["seg", "pose", "normal"])]) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["errors"] == [{"image": str(folder / "a.jpg"), "task": "normal", "error":
+                                   "RuntimeError: --mask-with-seg: the segmentation failed (simulated seg failure)"}]
+    assert outputs_of(out, "a") == {"a.pose.json", "a.pose_overlay.jpg"}
+    assert strict_json(out / "a.pose.json")["box_source"] == "whole-image"
+    assert len(outputs_of(out, "b")) == 4
+
+
+def test_a_name_near_the_length_limit_still_gets_a_temporary(tmp_path):
+    target = tmp_path / ("é" * 120 + ".seg.png")  # 248 bytes: the output fits, a longer temporary would not
+    safe_io.atomic_write(target, b"ok")
+    assert target.read_bytes() == b"ok" and no_partials(tmp_path)

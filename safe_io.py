@@ -1,0 +1,139 @@
+"""Writing files so that nothing half-written or stale is ever left where a user looks, and errors say why.
+
+    atomic_write(path, value)        # a temporary beside `path`, unique to this writer, renamed over it
+    json_text(value)                 # strict JSON: NaN/Infinity become null
+    check_writable(folder)           # a probe through the same writer (raises the OSError)
+    remove_stale_temporaries(out)    # what a killed run (kill -9) left behind
+
+predict.py writes every output and manifest through `atomic_write`; so can any other command (video, detection)
+that writes into a user's folder. `write_value` is the one place bytes reach the disk: tests inject faults there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.torch import save_file
+
+# Write errors that the next file will hit too: the caller stops or narrows the run rather than fail file by file.
+REPEATING_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+FOLDER_WRITE_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM}  # may concern one folder (or file) only
+
+
+def atomic_write(path: Path, value):
+    """Write to a temporary file beside `path` and rename it, so an interrupted run never leaves a half-written
+    output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
+    two processes writing the same OUT never share one; a failed write removes it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # a long name shortened, so that the temporary's name fits where the output's does (255 bytes)
+    name = path.name if len(os.fsencode(path.name)) <= 200 else path.name[:50]
+    temp = path.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    try:
+        with open(temp, "xb"):  # exclusive: fails rather than share a name
+            pass
+        write_value(temp, value, path.suffix)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a read-only file system refuses even that; the write error matters
+            temp.unlink(missing_ok=True)
+        raise
+
+
+TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.partial$")  # atomic_write's names: .NAME.PID.RANDOM.partial
+STALE_AFTER_S = 600
+
+
+def remove_stale_temporaries(out: Path) -> int:
+    """Temporaries left in OUT by a killed run (kill -9, power loss): those of a process that no longer runs
+    here, untouched for 10 minutes (on a shared disk the process may run on another machine, and would still be
+    writing). Returns how many were removed."""
+    removed, now = 0, time.time()
+    for folder, _, files in os.walk(out):
+        for name in files:
+            match = TEMPORARY.match(name)
+            path = Path(folder) / name
+            try:
+                if match and not process_alive(int(match[1])) and now - path.stat().st_mtime > STALE_AFTER_S:
+                    path.unlink()
+                    removed += 1
+            except OSError:  # gone meanwhile, or not ours to remove: leave it
+                pass
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # alive, another user's (or an impossible pid: do not guess)
+    return True
+
+
+def write_value(file: Path, value, suffix: str):
+    """value: text or bytes (as is), a dict (strict .json), an array (.npy), (tensors, metadata) (.safetensors),
+    a PIL image (.png, .jpg)."""
+    if isinstance(value, str):
+        file.write_text(value)
+    elif isinstance(value, bytes):
+        file.write_bytes(value)
+    elif suffix == ".json":
+        file.write_text(json_text(value))
+    elif suffix == ".npy":
+        with open(file, "wb") as f:
+            np.save(f, value)
+    elif suffix == ".safetensors":
+        tensors, metadata = value
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata)
+    elif suffix == ".jpg":
+        value.save(file, format="JPEG", quality=90)
+    else:
+        value.save(file, format="PNG")
+
+
+def json_text(value, indent: int | None = None) -> str:
+    """Strict JSON (NaN and Infinity are not JSON; many parsers reject them): non-finite numbers become null."""
+    return json.dumps(finite_or_null(value), indent=indent, allow_nan=False)
+
+
+def finite_or_null(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def check_writable(folder: Path):
+    """Write and remove a probe file through the same writer as the outputs; raises the OSError if it fails."""
+    probe = folder / "sapiens2-write-test"  # its temporary is hidden, like every output's
+    atomic_write(probe, b"probe")
+    probe.unlink(missing_ok=True)
+
+
+def os_error_text(error: OSError) -> str:
+    """`No space left on device (ENOSPC): out/a.seg.png` from an OSError."""
+    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+    where = f": {error.filename}" if error.filename else ""
+    return f"{error.strerror or error}{code}{where}"
+
+
+def probe_error(folder: Path) -> OSError | None:
+    """The error writing into `folder` gives now, or None when it takes files."""
+    try:
+        check_writable(folder)
+    except OSError as error:
+        return error
+    return None
