@@ -475,7 +475,8 @@ def multiscale_deformable_attention(value: torch.Tensor, shapes: list[tuple[int,
     B, S, heads, d = value.shape
     Q = locations.shape[1]
     per_level = value.permute(0, 2, 3, 1).flatten(0, 1).split([h * w for h, w in shapes], dim=-1)  # (B*h, d, HW)
-    grids = (2 * locations - 1).permute(0, 2, 1, 3, 4).flatten(0, 1).split(points, dim=-2)  # (B*h, Q, P_l, 2)
+    grids = (2 * locations - 1).to(value.dtype).permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*h, Q, P, 2)
+    grids = grids.split(points, dim=-2)  # per level (B*h, Q, P_l, 2)
     samples = [F.grid_sample(v.reshape(B * heads, d, h, w), g, mode="bilinear", padding_mode="zeros",
                              align_corners=False)  # (B*h, d, Q, P_l)
                for v, g, (h, w) in zip(per_level, grids, shapes)]
@@ -505,8 +506,8 @@ class DeformableAttention(nn.Module):
         offsets = self.sampling_offsets(query).view(B, Q, self.heads, P, 2)
         attention = self.attention_weights(query).view(B, Q, self.heads, P).softmax(-1)
         ref = reference[:, :, None, None]  # (B, Q, 1, 1, 4)
-        scale = self.num_points_scale.to(query.dtype)[:, None]  # (P, 1)
-        locations = ref[..., :2] + offsets * scale * ref[..., 2:] * self.offset_scale  # (B, Q, h, P, 2)
+        scale = self.num_points_scale.float()[:, None]  # (P, 1)
+        locations = ref[..., :2] + offsets * scale * ref[..., 2:] * self.offset_scale  # (B, Q, h, P, 2), float32
         return multiscale_deformable_attention(value, shapes, locations, attention, self.points)
 
 
@@ -555,7 +556,7 @@ class LQE(nn.Module):
         B, Q, _ = corners.shape
         top = corners.view(B, Q, 4, self.bins + 1).softmax(-1).topk(self.k, dim=-1).values  # (B, Q, 4, k)
         stats = torch.cat([top, top.mean(-1, keepdim=True)], dim=-1).reshape(B, Q, -1)
-        return logits + self.reg_conf(stats)
+        return logits + self.reg_conf(stats.to(logits.dtype))
 
 
 def weighting_function(num_bins: int, up: torch.Tensor, reg_scale: torch.Tensor) -> torch.Tensor:
@@ -599,19 +600,22 @@ class Decoder(nn.Module):
     def forward(self, queries, reference_logits, memory, shapes):
         """queries (B, Q, C), reference_logits (B, Q, 4) inverse-sigmoid cxcywh -> logits (B, Q, classes),
         boxes (B, Q, 4) normalized cxcywh."""
-        project = weighting_function(self.bins, self.up, self.reg_scale)  # (bins + 1,)
-        reference = reference_logits.sigmoid()
+        # NOTE: the box arithmetic (references, distributions, edges) runs in float32 whatever the model's dtype:
+        # bf16 keeps 8 bits of mantissa, 2.5 px at 640, and every layer would add its rounding to the boxes.
+        reg_scale = self.reg_scale.float()
+        project = weighting_function(self.bins, self.up.float(), reg_scale)  # (bins + 1,)
+        reference = reference_logits.float().sigmoid()
         x, corners, previous = queries, 0, 0
         for i, layer in enumerate(self.layers):
-            pos = self.query_pos_head(reference).clamp(-10, 10)
+            pos = self.query_pos_head(reference.to(x.dtype)).clamp(-10, 10)
             x = layer(x, pos, reference, memory, shapes)
             if i == 0:  # the box every layer's distributions refine: a coarse regression from layer 0
-                anchor = (self.pre_bbox_head(x) + inverse_sigmoid(reference)).sigmoid()
+                anchor = (self.pre_bbox_head(x).float() + inverse_sigmoid(reference)).sigmoid()
             # each layer adds to the distribution logits of the one before (residual refinement)
-            corners = self.bbox_embed[i](x + previous) + corners  # (B, Q, 4 * (bins + 1))
+            corners = self.bbox_embed[i](x + previous).float() + corners  # (B, Q, 4 * (bins + 1))
             B, Q, _ = corners.shape
-            distance = corners.view(B, Q, 4, self.bins + 1).softmax(-1) @ project.to(corners.dtype)  # (B, Q, 4)
-            reference = distance_to_box(anchor, distance, self.reg_scale)
+            distance = corners.view(B, Q, 4, self.bins + 1).softmax(-1) @ project  # (B, Q, 4)
+            reference = distance_to_box(anchor, distance, reg_scale)
             previous = x
         logits = self.lqe_layers[-1](self.class_embed[-1](x), corners)
         return logits, reference
@@ -665,10 +669,10 @@ class DFine(nn.Module):
         shapes = [tuple(m.shape[-2:]) for m in maps]
         memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], dim=1)  # (B, S, C), levels fine to coarse
         # query selection: score every position, keep the best `num_queries` as queries + reference boxes
-        anchors, valid = anchors_for(shapes, memory.device, memory.dtype)
+        anchors, valid = anchors_for(shapes, memory.device, torch.float32)  # float32: see Decoder.forward
         features = self.enc_output(valid.to(memory.dtype) * memory)
         scores = self.enc_score_head(features)
-        box_logits = self.enc_bbox_head(features) + anchors
+        box_logits = self.enc_bbox_head(features).float() + anchors
         top = scores.max(-1).values.topk(self.config.num_queries, dim=1).indices[..., None]  # (B, Q, 1)
         queries = features.gather(1, top.expand(-1, -1, features.shape[-1]))
         reference = box_logits.gather(1, top.expand(-1, -1, 4))
