@@ -129,6 +129,9 @@ class DFineConfig:
         if levels != len(hf.get("decoder_in_channels", [256] * 3)):
             raise ValueError(f"{source}: num_feature_levels={levels} differs from the number of encoder outputs; "
                              f"extra downsampled levels are not supported")
+        # NOTE: `eval_size` and `anchor_image_size` are not read: the anchors and the AIFI position embedding are
+        # computed for the input's feature maps, as the original does. (transformers drops the position embedding
+        # at inference when `eval_size` is set; the released configs leave both null.)
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in {**hf.get("backbone_config", {}), **hf}.items() if k in names}
         if "id2label" in values:

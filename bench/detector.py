@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -133,7 +134,8 @@ def main(argv=None):
     for row in rows[:-1]:  # the detector's share of one image with one person, flip test on
         row["share_of_one_person_image"] = {
             key: row[key] / (row[key] + 2 * pose[key]) for key in ("flops", "median_ms") if key in pose}
-    data = {"device": e2e.device_name(args.device), "dtype": args.dtype, "versions": e2e.versions(), "rows": rows}
+    data = {"device": e2e.device_name(args.device), "dtype": args.dtype, "versions": e2e.versions(),
+            "load_average_at_end": os.getloadavg(), "rows": rows}  # a shared machine: other processes slow both rows
     out = args.out or ROOT / "bench" / "results" / f"detector-{e2e.device_slug(args.device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))

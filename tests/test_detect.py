@@ -3,7 +3,7 @@ transformers' RTDetrImageProcessor, strict loading, and predict.py's --detector.
 
 Tolerances, and why:
 - raw logits and boxes: 1e-4 abs in fp32 (the issue's bound). Both sides run the same fp32 ops in the same
-  order except a few reassociated products; measured <= 1.5e-6 (logits of size ~5).
+  order except a few reassociated products; measured <= 1.5e-6.
 - post-processing: exact (the same float ops on the same logits), and 1e-4 px end to end from images.
 - preprocessing: 1e-6 against the stored transformers output (measured 0), one grey level (1/255) where this
   CPU resizes uint8 on a different kernel path than the machine that made the fixture (see test_processing).
