@@ -385,3 +385,19 @@ def test_cli_any_callable_is_a_detector(cli, tmp_path, capsys, monkeypatch):
     assert run["pose"]["box_source"] == "detector"
     assert [p["box"] for p in run["pose"]["people"]] == [[1, 2, 21, 32], [30, 10, 55, 70]]
     assert [p["detector_score"] for p in run["pose"]["people"]] == [0.9, 0.7]
+
+
+def test_bench_row_runs(tmp_path):
+    """bench/detector.py end to end at its smallest: FLOPs of the released nano and of pose-0.4b, one nano call."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_detector", Path(__file__).parents[1] / "bench" / "detector.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "detector.json"
+    bench.main(["--detectors", "nano", "--warmup", "0", "--reps", "1", "--pose-reps", "0", "--out", str(out)])
+    nano, pose = json.loads(out.read_text())["rows"]
+    assert 3.5e6 < nano["params"] < 4.0e6 and 7e9 < nano["flops"] < 8e9  # the D-FINE paper: 4 M, 7 GFLOPs
+    assert pose["flops"] > 400 * nano["flops"] and "median_ms" in nano and "median_ms" not in pose
+    assert 0 < nano["share_of_one_person_image"]["flops"] < 0.01
+    assert "| D-FINE nano (person detector) | 640x640 |" in out.with_suffix(".md").read_text()
