@@ -296,13 +296,9 @@ class HGNetV2(nn.Module):
     def __init__(self, cfg: DFineConfig):
         super().__init__()
         self.out_indices = cfg.out_indices
+        self.out_channels = [cfg.stem_channels[-1] if i == 0 else cfg.stage_out_channels[i - 1] for i in cfg.out_indices]
         self.stem = HGStem(cfg)
         self.stages = nn.ModuleList(HGStage(cfg, i) for i in range(len(cfg.stage_in_channels)))
-
-    @property
-    def out_channels(self) -> list[int]:
-        return [self.stem.stem4.convolution.out_channels if i == 0 else self.stages[i - 1].blocks[-1].aggregation[1]
-                .convolution.out_channels for i in self.out_indices]
 
     def forward(self, x) -> list[torch.Tensor]:
         maps = [self.stem(x)]
@@ -448,9 +444,8 @@ class HybridEncoder(nn.Module):
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         maps = [proj(f) for proj, f in zip(self.input_proj, features)]  # fine to coarse, all `hidden` wide
-        if self.aifi[0].layers:
-            for level, aifi in zip(self.encode_proj_layers, self.aifi):
-                maps[level] = aifi(maps[level])
+        for level, aifi in zip(self.encode_proj_layers, self.aifi):
+            maps[level] = aifi(maps[level])
         # top-down: each coarser map goes through its lateral conv, is upsampled 2x and fused with the finer one
         top_down = [maps[-1]]
         for i, (lateral, block) in enumerate(zip(self.lateral_convs, self.fpn_blocks)):
