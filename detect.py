@@ -296,7 +296,8 @@ class HGNetV2(nn.Module):
     def __init__(self, cfg: DFineConfig):
         super().__init__()
         self.out_indices = cfg.out_indices
-        self.out_channels = [cfg.stem_channels[-1] if i == 0 else cfg.stage_out_channels[i - 1] for i in cfg.out_indices]
+        widths = [cfg.stem_channels[-1], *cfg.stage_out_channels]  # of the stem's and each stage's output
+        self.out_channels = [widths[i] for i in cfg.out_indices]
         self.stem = HGStem(cfg)
         self.stages = nn.ModuleList(HGStage(cfg, i) for i in range(len(cfg.stage_in_channels)))
 
