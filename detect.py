@@ -778,7 +778,7 @@ def person_label_of(cfg: DFineConfig, source: str) -> int:
 
 
 def read_source(source) -> tuple[dict, dict, dict, str]:
-    """(tensors, config.json, preprocessor_config.json, description) of a folder, a file or a hub id."""
+    """(tensors, config.json, preprocessor_config.json ({} when absent), description) of a folder, a file, a hub id."""
     name = DETECTOR_IDS.get(str(source), str(source))
     path = Path(name)
     if path.is_file():
@@ -795,12 +795,67 @@ def read_source(source) -> tuple[dict, dict, dict, str]:
         raise FileNotFoundError(f"{source}: no such file or folder, and not a hub id like {DEFAULT_DETECTOR} "
                                 f"(short names: {', '.join(DETECTOR_IDS)})")
     read = lambda file: json.loads((folder / file).read_text()) if (folder / file).exists() else {}  # noqa: E731
-    config = read("config.json")
-    if not config:
-        raise FileNotFoundError(
-            f"{path}: no config.json beside the weights; D-FINE's architecture is read from transformers' "
-            f"config.json (put it in {folder}, or pass the folder that save_pretrained wrote)")
-    return tensors, config, read("preprocessor_config.json"), name
+    return tensors, read("config.json"), read("preprocessor_config.json"), name
+
+
+def config_from_weights(state: dict[str, torch.Tensor], source: str) -> dict:
+    """DFineConfig fields read off the tensor shapes (our key names), for a file without config.json.
+
+    Not in the shapes, so the released models' values are assumed: num_queries 300, 8 encoder heads, AIFI on the
+    coarsest level, and for 80 classes the COCO order (person = 0). Pass others to load() as overrides.
+    """
+    def count(prefix: str) -> int:
+        return len({m[1] for k in state if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))})
+
+    def shape(key: str) -> torch.Size:
+        return state[key].shape
+
+    try:
+        stem = shape("backbone.stem.stem1.convolution.weight")
+        cfg = dict(stem_channels=[stem[1], stem[0], shape("backbone.stem.stem4.convolution.weight")[0]],
+                   use_learnable_affine_block="backbone.stem.stem1.lab.scale" in state)
+        stages = []
+        for i in range(count("backbone.stages.")):
+            block = f"backbone.stages.{i}.blocks.0."
+            light = f"{block}layers.0.conv1.convolution.weight" in state
+            first = shape(f"{block}layers.0.{'conv1.' if light else ''}convolution.weight")  # (mid, in, k, k)
+            kernel = shape(f"{block}layers.0.{'conv2.' if light else ''}convolution.weight")[-1]
+            stages.append(dict(stage_in_channels=first[1], stage_mid_channels=first[0],
+                               stage_out_channels=shape(f"{block}aggregation.1.convolution.weight")[0],
+                               stage_num_blocks=count(f"backbone.stages.{i}.blocks."),
+                               stage_numb_of_layers=count(f"{block}layers."), stage_light_block=light,
+                               stage_kernel_size=kernel,
+                               stage_downsample=f"backbone.stages.{i}.downsample.convolution.weight" in state))
+        cfg.update({key: [stage[key] for stage in stages] for key in stages[0]})
+        levels, aifi = count("encoder.input_proj."), count("encoder.aifi.")
+        hidden = shape("encoder.input_proj.0.0.weight")[0]
+        points_scale, points = state["decoder.layers.0.encoder_attn.num_points_scale"].tolist(), []
+        while len(points) < levels:  # 1/n repeated n times per level
+            points.append(round(1 / points_scale[sum(points)]))
+        d_model = shape("decoder.query_pos_head.layers.1.weight")[0]
+        lqe = "decoder.lqe_layers.0.reg_conf.layers."
+        cfg.update(
+            out_indices=list(range(len(stages) + 1 - levels, len(stages) + 1)), encoder_hidden_dim=hidden,
+            encoder_layers=count("encoder.aifi.0.layers.") if aifi else 0,
+            encode_proj_layers=list(range(levels - aifi, levels)),
+            encoder_ffn_dim=shape("encoder.aifi.0.layers.0.fc1.weight")[0] if aifi else 1024,
+            depth_mult=count("encoder.fpn_blocks.0.csp_rep1.bottlenecks.") / 3,
+            # RepNCSPELAN4's branch width is round(hidden_expansion * hidden // 2): +1 keeps the floor exact
+            hidden_expansion=(2 * shape("encoder.fpn_blocks.0.csp_rep1.conv1.conv.weight")[0] + 1) / hidden,
+            d_model=d_model, num_feature_levels=levels, decoder_n_points=points,
+            decoder_in_channels=[shape("decoder_input_proj.0.0.weight")[1] if "decoder_input_proj.0.0.weight" in state
+                                 else d_model] * levels,
+            decoder_layers=count("decoder.layers."), decoder_ffn_dim=shape("decoder.layers.0.fc1.weight")[0],
+            decoder_attention_heads=shape("decoder.layers.0.encoder_attn.attention_weights.weight")[0] // sum(points),
+            max_num_bins=shape("decoder.bbox_embed.0.layers.2.weight")[0] // 4 - 1,
+            reg_scale=state["decoder.reg_scale"].item(), up=state["decoder.up"].item(),
+            top_prob_values=shape(f"{lqe}0.weight")[1] // 4 - 1, lqe_hidden_dim=shape(f"{lqe}0.weight")[0],
+            lqe_layers=count(lqe), num_labels=shape("enc_score_head.weight")[0])
+    except (KeyError, IndexError) as error:
+        raise ValueError(f"{source}: no config.json beside the weights, and they are not a D-FINE checkpoint in "
+                         f"transformers' format (no {error}); put its config.json next to the file") from None
+    cfg["id2label"] = {0: "person"} if cfg["num_labels"] == 80 else {}  # COCO order, as the released models
+    return cfg
 
 
 def is_hub_id(source) -> bool:
@@ -811,17 +866,23 @@ def is_hub_id(source) -> bool:
 
 
 def load(source=DEFAULT_DETECTOR, dtype=torch.float32, device="cpu", threshold: float = DEFAULT_THRESHOLD,
-         person_label: int | None = None) -> PersonDetector:
+         person_label: int | None = None, **overrides) -> PersonDetector:
     """A PersonDetector from a hub id (downloaded once into the sapiens2 cache, like weights.load), a folder
-    with config.json + model.safetensors (transformers' format) or such a .safetensors file.
+    with config.json + model.safetensors (transformers' format) or such a .safetensors file (its architecture from
+    a config.json beside it, else from the tensor shapes: see config_from_weights). `overrides`: DFineConfig fields.
     Loading is strict: missing, unexpected or mis-shaped tensors are listed (weights.CheckpointMismatch)."""
     tensors, hf_config, preprocessor, name = read_source(source)
-    cfg = DFineConfig.from_hf(hf_config, f"{name} config.json")
+    state = rename_checkpoint(tensors)
+    values = vars(DFineConfig.from_hf(hf_config, f"{name} config.json")) if hf_config else config_from_weights(
+        state, name)
+    unknown = sorted(set(overrides) - {f.name for f in fields(DFineConfig)})
+    if unknown:
+        raise ValueError(f"unknown D-FINE config fields {unknown}; see detect.DFineConfig")
+    cfg = DFineConfig(**{**values, **overrides})
     label = person_label if person_label is not None else person_label_of(cfg, name)
     with torch.device("meta"):
         model = DFine(cfg)
-    weights.load_strict(model, rename_checkpoint(tensors), f"{name} (D-FINE; keys as detect.py names them, "
-                        f"see KEY_RENAMES)")
+    weights.load_strict(model, state, f"{name} (D-FINE; keys as detect.py names them, see KEY_RENAMES)")
     size = preprocessor.get("size", {})
     input_size = (size["height"], size["width"]) if "height" in size and "width" in size else INPUT_SIZE
     if any(s % 32 for s in input_size):

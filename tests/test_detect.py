@@ -233,6 +233,26 @@ def test_loads_a_file_a_folder_and_a_cached_hub_id(saved, tmp_path, monkeypatch)
         detect.load("someone/elsewhere")
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_architecture_from_the_weights_alone(saved, case, tmp_path):
+    """A bare .safetensors (no config.json): everything but num_queries, the encoder's head count and the class
+    names is read off the shapes; with those three given, the model is the one config.json describes."""
+    hf, folder = saved[case]
+    (tmp_path / "bare.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    bare = detect.load(tmp_path / "bare.safetensors", num_queries=20, encoder_attention_heads=2, person_label=1)
+    full = detect.load(folder)
+    # id2label: no names in the file; multipliers and point counts: equivalent forms (the same widths, block and
+    # point counts, which the strict load has checked)
+    ignore = {"id2label", "hidden_expansion", "depth_mult", "decoder_n_points"}
+    differ = {k: (v, getattr(full.model.config, k)) for k, v in vars(bare.model.config).items()
+              if k not in ignore and v != getattr(full.model.config, k)}
+    assert not differ, differ
+    assert bare.model.config.points_per_level == full.model.config.points_per_level
+    x = torch.rand(1, 3, *INPUT)
+    with torch.no_grad():
+        torch.testing.assert_close(bare.model(x).pred_boxes, full.model(x).pred_boxes, rtol=0, atol=0)
+
+
 def copy_with(folder: Path, tmp_path: Path, change) -> Path:
     out = tmp_path / "edited"
     out.mkdir()
@@ -278,8 +298,11 @@ def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "weights.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
-    with pytest.raises(FileNotFoundError, match=r"no config.json beside the weights"):
-        detect.load(bare / "weights.safetensors")
+    save_file({"some.weight": torch.zeros(2)}, str(bare / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"other\.safetensors: no config.json beside the weights, and they are not"):
+        detect.load(bare / "other.safetensors")
+    with pytest.raises(ValueError, match=r"unknown D-FINE config fields \['num_querys'\]"):
+        detect.load(bare / "weights.safetensors", num_querys=20)
     with pytest.raises(FileNotFoundError, match=r"nope\.safetensors: no such file or folder"):
         detect.load(tmp_path / "nope.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
