@@ -129,6 +129,9 @@ class DFineConfig:
         if levels != len(hf.get("decoder_in_channels", [256] * 3)):
             raise ValueError(f"{source}: num_feature_levels={levels} differs from the number of encoder outputs; "
                              f"extra downsampled levels are not supported")
+        # NOTE: `eval_size` and `anchor_image_size` are not read: the anchors and the AIFI position embedding are
+        # computed for the input's feature maps, as the original does. (transformers drops the position embedding
+        # at inference when `eval_size` is set; the released configs leave both null.)
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in {**hf.get("backbone_config", {}), **hf}.items() if k in names}
         if "id2label" in values:
@@ -293,13 +296,10 @@ class HGNetV2(nn.Module):
     def __init__(self, cfg: DFineConfig):
         super().__init__()
         self.out_indices = cfg.out_indices
+        widths = [cfg.stem_channels[-1], *cfg.stage_out_channels]  # of the stem's and each stage's output
+        self.out_channels = [widths[i] for i in cfg.out_indices]
         self.stem = HGStem(cfg)
         self.stages = nn.ModuleList(HGStage(cfg, i) for i in range(len(cfg.stage_in_channels)))
-
-    @property
-    def out_channels(self) -> list[int]:
-        return [self.stem.stem4.convolution.out_channels if i == 0 else self.stages[i - 1].blocks[-1].aggregation[1]
-                .convolution.out_channels for i in self.out_indices]
 
     def forward(self, x) -> list[torch.Tensor]:
         maps = [self.stem(x)]
@@ -445,9 +445,8 @@ class HybridEncoder(nn.Module):
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         maps = [proj(f) for proj, f in zip(self.input_proj, features)]  # fine to coarse, all `hidden` wide
-        if self.aifi[0].layers:
-            for level, aifi in zip(self.encode_proj_layers, self.aifi):
-                maps[level] = aifi(maps[level])
+        for level, aifi in zip(self.encode_proj_layers, self.aifi):
+            maps[level] = aifi(maps[level])
         # top-down: each coarser map goes through its lateral conv, is upsampled 2x and fused with the finer one
         top_down = [maps[-1]]
         for i, (lateral, block) in enumerate(zip(self.lateral_convs, self.fpn_blocks)):
@@ -475,7 +474,8 @@ def multiscale_deformable_attention(value: torch.Tensor, shapes: list[tuple[int,
     B, S, heads, d = value.shape
     Q = locations.shape[1]
     per_level = value.permute(0, 2, 3, 1).flatten(0, 1).split([h * w for h, w in shapes], dim=-1)  # (B*h, d, HW)
-    grids = (2 * locations - 1).permute(0, 2, 1, 3, 4).flatten(0, 1).split(points, dim=-2)  # (B*h, Q, P_l, 2)
+    grids = (2 * locations - 1).to(value.dtype).permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*h, Q, P, 2)
+    grids = grids.split(points, dim=-2)  # per level (B*h, Q, P_l, 2)
     samples = [F.grid_sample(v.reshape(B * heads, d, h, w), g, mode="bilinear", padding_mode="zeros",
                              align_corners=False)  # (B*h, d, Q, P_l)
                for v, g, (h, w) in zip(per_level, grids, shapes)]
@@ -505,8 +505,8 @@ class DeformableAttention(nn.Module):
         offsets = self.sampling_offsets(query).view(B, Q, self.heads, P, 2)
         attention = self.attention_weights(query).view(B, Q, self.heads, P).softmax(-1)
         ref = reference[:, :, None, None]  # (B, Q, 1, 1, 4)
-        scale = self.num_points_scale.to(query.dtype)[:, None]  # (P, 1)
-        locations = ref[..., :2] + offsets * scale * ref[..., 2:] * self.offset_scale  # (B, Q, h, P, 2)
+        scale = self.num_points_scale.float()[:, None]  # (P, 1)
+        locations = ref[..., :2] + offsets * scale * ref[..., 2:] * self.offset_scale  # (B, Q, h, P, 2), float32
         return multiscale_deformable_attention(value, shapes, locations, attention, self.points)
 
 
@@ -555,7 +555,7 @@ class LQE(nn.Module):
         B, Q, _ = corners.shape
         top = corners.view(B, Q, 4, self.bins + 1).softmax(-1).topk(self.k, dim=-1).values  # (B, Q, 4, k)
         stats = torch.cat([top, top.mean(-1, keepdim=True)], dim=-1).reshape(B, Q, -1)
-        return logits + self.reg_conf(stats)
+        return logits + self.reg_conf(stats.to(logits.dtype))
 
 
 def weighting_function(num_bins: int, up: torch.Tensor, reg_scale: torch.Tensor) -> torch.Tensor:
@@ -599,19 +599,22 @@ class Decoder(nn.Module):
     def forward(self, queries, reference_logits, memory, shapes):
         """queries (B, Q, C), reference_logits (B, Q, 4) inverse-sigmoid cxcywh -> logits (B, Q, classes),
         boxes (B, Q, 4) normalized cxcywh."""
-        project = weighting_function(self.bins, self.up, self.reg_scale)  # (bins + 1,)
-        reference = reference_logits.sigmoid()
+        # NOTE: the box arithmetic (references, distributions, edges) runs in float32 whatever the model's dtype:
+        # bf16 keeps 8 bits of mantissa, 2.5 px at 640, and every layer would add its rounding to the boxes.
+        reg_scale = self.reg_scale.float()
+        project = weighting_function(self.bins, self.up.float(), reg_scale)  # (bins + 1,)
+        reference = reference_logits.float().sigmoid()
         x, corners, previous = queries, 0, 0
         for i, layer in enumerate(self.layers):
-            pos = self.query_pos_head(reference).clamp(-10, 10)
+            pos = self.query_pos_head(reference.to(x.dtype)).clamp(-10, 10)
             x = layer(x, pos, reference, memory, shapes)
             if i == 0:  # the box every layer's distributions refine: a coarse regression from layer 0
-                anchor = (self.pre_bbox_head(x) + inverse_sigmoid(reference)).sigmoid()
+                anchor = (self.pre_bbox_head(x).float() + inverse_sigmoid(reference)).sigmoid()
             # each layer adds to the distribution logits of the one before (residual refinement)
-            corners = self.bbox_embed[i](x + previous) + corners  # (B, Q, 4 * (bins + 1))
+            corners = self.bbox_embed[i](x + previous).float() + corners  # (B, Q, 4 * (bins + 1))
             B, Q, _ = corners.shape
-            distance = corners.view(B, Q, 4, self.bins + 1).softmax(-1) @ project.to(corners.dtype)  # (B, Q, 4)
-            reference = distance_to_box(anchor, distance, self.reg_scale)
+            distance = corners.view(B, Q, 4, self.bins + 1).softmax(-1) @ project  # (B, Q, 4)
+            reference = distance_to_box(anchor, distance, reg_scale)
             previous = x
         logits = self.lqe_layers[-1](self.class_embed[-1](x), corners)
         return logits, reference
@@ -665,10 +668,10 @@ class DFine(nn.Module):
         shapes = [tuple(m.shape[-2:]) for m in maps]
         memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], dim=1)  # (B, S, C), levels fine to coarse
         # query selection: score every position, keep the best `num_queries` as queries + reference boxes
-        anchors, valid = anchors_for(shapes, memory.device, memory.dtype)
+        anchors, valid = anchors_for(shapes, memory.device, torch.float32)  # float32: see Decoder.forward
         features = self.enc_output(valid.to(memory.dtype) * memory)
         scores = self.enc_score_head(features)
-        box_logits = self.enc_bbox_head(features) + anchors
+        box_logits = self.enc_bbox_head(features).float() + anchors
         top = scores.max(-1).values.topk(self.config.num_queries, dim=1).indices[..., None]  # (B, Q, 1)
         queries = features.gather(1, top.expand(-1, -1, features.shape[-1]))
         reference = box_logits.gather(1, top.expand(-1, -1, 4))
@@ -775,7 +778,7 @@ def person_label_of(cfg: DFineConfig, source: str) -> int:
 
 
 def read_source(source) -> tuple[dict, dict, dict, str]:
-    """(tensors, config.json, preprocessor_config.json, description) of a folder, a file or a hub id."""
+    """(tensors, config.json, preprocessor_config.json ({} when absent), description) of a folder, a file, a hub id."""
     name = DETECTOR_IDS.get(str(source), str(source))
     path = Path(name)
     if path.is_file():
@@ -792,12 +795,67 @@ def read_source(source) -> tuple[dict, dict, dict, str]:
         raise FileNotFoundError(f"{source}: no such file or folder, and not a hub id like {DEFAULT_DETECTOR} "
                                 f"(short names: {', '.join(DETECTOR_IDS)})")
     read = lambda file: json.loads((folder / file).read_text()) if (folder / file).exists() else {}  # noqa: E731
-    config = read("config.json")
-    if not config:
-        raise FileNotFoundError(
-            f"{path}: no config.json beside the weights; D-FINE's architecture is read from transformers' "
-            f"config.json (put it in {folder}, or pass the folder that save_pretrained wrote)")
-    return tensors, config, read("preprocessor_config.json"), name
+    return tensors, read("config.json"), read("preprocessor_config.json"), name
+
+
+def config_from_weights(state: dict[str, torch.Tensor], source: str) -> dict:
+    """DFineConfig fields read off the tensor shapes (our key names), for a file without config.json.
+
+    Not in the shapes, so the released models' values are assumed: num_queries 300, 8 encoder heads, AIFI on the
+    coarsest level, and for 80 classes the COCO order (person = 0). Pass others to load() as overrides.
+    """
+    def count(prefix: str) -> int:
+        return len({m[1] for k in state if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))})
+
+    def shape(key: str) -> torch.Size:
+        return state[key].shape
+
+    try:
+        stem = shape("backbone.stem.stem1.convolution.weight")
+        cfg = dict(stem_channels=[stem[1], stem[0], shape("backbone.stem.stem4.convolution.weight")[0]],
+                   use_learnable_affine_block="backbone.stem.stem1.lab.scale" in state)
+        stages = []
+        for i in range(count("backbone.stages.")):
+            block = f"backbone.stages.{i}.blocks.0."
+            light = f"{block}layers.0.conv1.convolution.weight" in state
+            first = shape(f"{block}layers.0.{'conv1.' if light else ''}convolution.weight")  # (mid, in, k, k)
+            kernel = shape(f"{block}layers.0.{'conv2.' if light else ''}convolution.weight")[-1]
+            stages.append(dict(stage_in_channels=first[1], stage_mid_channels=first[0],
+                               stage_out_channels=shape(f"{block}aggregation.1.convolution.weight")[0],
+                               stage_num_blocks=count(f"backbone.stages.{i}.blocks."),
+                               stage_numb_of_layers=count(f"{block}layers."), stage_light_block=light,
+                               stage_kernel_size=kernel,
+                               stage_downsample=f"backbone.stages.{i}.downsample.convolution.weight" in state))
+        cfg.update({key: [stage[key] for stage in stages] for key in stages[0]})
+        levels, aifi = count("encoder.input_proj."), count("encoder.aifi.")
+        hidden = shape("encoder.input_proj.0.0.weight")[0]
+        points_scale, points = state["decoder.layers.0.encoder_attn.num_points_scale"].tolist(), []
+        while len(points) < levels:  # 1/n repeated n times per level
+            points.append(round(1 / points_scale[sum(points)]))
+        d_model = shape("decoder.query_pos_head.layers.1.weight")[0]
+        lqe = "decoder.lqe_layers.0.reg_conf.layers."
+        cfg.update(
+            out_indices=list(range(len(stages) + 1 - levels, len(stages) + 1)), encoder_hidden_dim=hidden,
+            encoder_layers=count("encoder.aifi.0.layers.") if aifi else 0,
+            encode_proj_layers=list(range(levels - aifi, levels)),
+            encoder_ffn_dim=shape("encoder.aifi.0.layers.0.fc1.weight")[0] if aifi else 1024,
+            depth_mult=count("encoder.fpn_blocks.0.csp_rep1.bottlenecks.") / 3,
+            # RepNCSPELAN4's branch width is round(hidden_expansion * hidden // 2): +1 keeps the floor exact
+            hidden_expansion=(2 * shape("encoder.fpn_blocks.0.csp_rep1.conv1.conv.weight")[0] + 1) / hidden,
+            d_model=d_model, num_feature_levels=levels, decoder_n_points=points,
+            decoder_in_channels=[shape("decoder_input_proj.0.0.weight")[1] if "decoder_input_proj.0.0.weight" in state
+                                 else d_model] * levels,
+            decoder_layers=count("decoder.layers."), decoder_ffn_dim=shape("decoder.layers.0.fc1.weight")[0],
+            decoder_attention_heads=shape("decoder.layers.0.encoder_attn.attention_weights.weight")[0] // sum(points),
+            max_num_bins=shape("decoder.bbox_embed.0.layers.2.weight")[0] // 4 - 1,
+            reg_scale=state["decoder.reg_scale"].item(), up=state["decoder.up"].item(),
+            top_prob_values=shape(f"{lqe}0.weight")[1] // 4 - 1, lqe_hidden_dim=shape(f"{lqe}0.weight")[0],
+            lqe_layers=count(lqe), num_labels=shape("enc_score_head.weight")[0])
+    except (KeyError, IndexError) as error:
+        raise ValueError(f"{source}: no config.json beside the weights, and they are not a D-FINE checkpoint in "
+                         f"transformers' format (no {error}); put its config.json next to the file") from None
+    cfg["id2label"] = {0: "person"} if cfg["num_labels"] == 80 else {}  # COCO order, as the released models
+    return cfg
 
 
 def is_hub_id(source) -> bool:
@@ -808,17 +866,23 @@ def is_hub_id(source) -> bool:
 
 
 def load(source=DEFAULT_DETECTOR, dtype=torch.float32, device="cpu", threshold: float = DEFAULT_THRESHOLD,
-         person_label: int | None = None) -> PersonDetector:
+         person_label: int | None = None, **overrides) -> PersonDetector:
     """A PersonDetector from a hub id (downloaded once into the sapiens2 cache, like weights.load), a folder
-    with config.json + model.safetensors (transformers' format) or such a .safetensors file.
+    with config.json + model.safetensors (transformers' format) or such a .safetensors file (its architecture from
+    a config.json beside it, else from the tensor shapes: see config_from_weights). `overrides`: DFineConfig fields.
     Loading is strict: missing, unexpected or mis-shaped tensors are listed (weights.CheckpointMismatch)."""
     tensors, hf_config, preprocessor, name = read_source(source)
-    cfg = DFineConfig.from_hf(hf_config, f"{name} config.json")
+    state = rename_checkpoint(tensors)
+    values = vars(DFineConfig.from_hf(hf_config, f"{name} config.json")) if hf_config else config_from_weights(
+        state, name)
+    unknown = sorted(set(overrides) - {f.name for f in fields(DFineConfig)})
+    if unknown:
+        raise ValueError(f"unknown D-FINE config fields {unknown}; see detect.DFineConfig")
+    cfg = DFineConfig(**{**values, **overrides})
     label = person_label if person_label is not None else person_label_of(cfg, name)
     with torch.device("meta"):
         model = DFine(cfg)
-    weights.load_strict(model, rename_checkpoint(tensors), f"{name} (D-FINE; keys as detect.py names them, "
-                        f"see KEY_RENAMES)")
+    weights.load_strict(model, state, f"{name} (D-FINE; keys as detect.py names them, see KEY_RENAMES)")
     size = preprocessor.get("size", {})
     input_size = (size["height"], size["width"]) if "height" in size and "width" in size else INPUT_SIZE
     if any(s % 32 for s in input_size):

@@ -3,7 +3,7 @@ transformers' RTDetrImageProcessor, strict loading, and predict.py's --detector.
 
 Tolerances, and why:
 - raw logits and boxes: 1e-4 abs in fp32 (the issue's bound). Both sides run the same fp32 ops in the same
-  order except the attention kernel and a few reassociated products; measured <= 3e-8.
+  order except a few reassociated products; measured <= 1.5e-6.
 - post-processing: exact (the same float ops on the same logits), and 1e-4 px end to end from images.
 - preprocessing: 1e-6 against the stored transformers output (measured 0), one grey level (1/255) where this
   CPU resizes uint8 on a different kernel path than the machine that made the fixture (see test_processing).
@@ -118,9 +118,10 @@ def test_logits_and_boxes_match_transformers(saved, case):
 
 
 def test_bf16_runs_and_stays_close(saved):
-    """bf16 end to end (the GPU default) gives finite float32 boxes. The encoder's maps stay within 3e-2 relative of
-    fp32 (measured 1.2e-2: bf16 keeps 8 mantissa bits, ~4e-3 per rounding, over ~40 convs). The decoder's outputs
-    are not compared: its query selection is a top-k, and a near tie may pick another query in bf16."""
+    """bf16 end to end (the GPU default) gives finite float32 boxes. The encoder's maps stay within 5e-2 relative of
+    fp32, the bf16 bound of bench/e2e.py (measured 2.2e-2: bf16 keeps 8 mantissa bits, ~4e-3 per rounding, over
+    ~40 convs). The decoder's outputs are not compared: its query selection is a top-k, and a near tie may pick
+    another query in bf16."""
     _, folder = saved["small"]
     fp32, bf16 = detect.load(folder), detect.load(folder, dtype="bf16")
     assert bf16.dtype == torch.bfloat16
@@ -134,7 +135,7 @@ def test_bf16_runs_and_stays_close(saved):
     for level, (a, b) in enumerate(zip(expected, got)):
         err = ((b.float() - a).abs().max() / a.abs().max()).item()
         print(f"bf16 encoder level {level}: max rel err {err:.2e}")
-        assert err < 3e-2, f"level {level}: {err:.3g}"
+        assert err < 5e-2, f"level {level}: {err:.3g}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,6 +233,26 @@ def test_loads_a_file_a_folder_and_a_cached_hub_id(saved, tmp_path, monkeypatch)
         detect.load("someone/elsewhere")
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_architecture_from_the_weights_alone(saved, case, tmp_path):
+    """A bare .safetensors (no config.json): everything but num_queries, the encoder's head count and the class
+    names is read off the shapes; with those three given, the model is the one config.json describes."""
+    hf, folder = saved[case]
+    (tmp_path / "bare.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    bare = detect.load(tmp_path / "bare.safetensors", num_queries=20, encoder_attention_heads=2, person_label=1)
+    full = detect.load(folder)
+    # id2label: no names in the file; multipliers and point counts: equivalent forms (the same widths, block and
+    # point counts, which the strict load has checked)
+    ignore = {"id2label", "hidden_expansion", "depth_mult", "decoder_n_points"}
+    differ = {k: (v, getattr(full.model.config, k)) for k, v in vars(bare.model.config).items()
+              if k not in ignore and v != getattr(full.model.config, k)}
+    assert not differ, differ
+    assert bare.model.config.points_per_level == full.model.config.points_per_level
+    x = torch.rand(1, 3, *INPUT)
+    with torch.no_grad():
+        torch.testing.assert_close(bare.model(x).pred_boxes, full.model(x).pred_boxes, rtol=0, atol=0)
+
+
 def copy_with(folder: Path, tmp_path: Path, change) -> Path:
     out = tmp_path / "edited"
     out.mkdir()
@@ -277,8 +298,11 @@ def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "weights.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
-    with pytest.raises(FileNotFoundError, match=r"no config.json beside the weights"):
-        detect.load(bare / "weights.safetensors")
+    save_file({"some.weight": torch.zeros(2)}, str(bare / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"other\.safetensors: no config.json beside the weights, and they are not"):
+        detect.load(bare / "other.safetensors")
+    with pytest.raises(ValueError, match=r"unknown D-FINE config fields \['num_querys'\]"):
+        detect.load(bare / "weights.safetensors", num_querys=20)
     with pytest.raises(FileNotFoundError, match=r"nope\.safetensors: no such file or folder"):
         detect.load(tmp_path / "nope.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
@@ -372,3 +396,31 @@ def test_cli_bad_detector_is_an_error(cli, tmp_path, capsys):
     save_file({"x": torch.zeros(1)}, str(broken / "model.safetensors"))
     mismatch = run_pose(cli, tmp_path, "--detector", broken, expect=2, capsys=capsys)
     assert "error: --detector:" in mismatch["err"] and "missing" in mismatch["err"]
+
+
+def test_cli_any_callable_is_a_detector(cli, tmp_path, capsys, monkeypatch):
+    """predict.py only calls detector(images): a plain function returning (K, 5) boxes stands in for D-FINE."""
+    def two_people(images):
+        return [torch.tensor([[1.0, 2.0, 20.0, 30.0, 0.9], [30.0, 10.0, 25.0, 60.0, 0.7]]) for _ in images]
+
+    monkeypatch.setattr(detect, "load", lambda source, **kwargs: two_people)
+    run = run_pose(cli, tmp_path, "--detector", "my/detector", capsys=capsys)
+    assert run["pose"]["box_source"] == "detector"
+    assert [p["box"] for p in run["pose"]["people"]] == [[1, 2, 21, 32], [30, 10, 55, 70]]
+    assert [p["detector_score"] for p in run["pose"]["people"]] == [0.9, 0.7]
+
+
+def test_bench_row_runs(tmp_path):
+    """bench/detector.py end to end at its smallest: FLOPs of the released nano and of pose-0.4b, one nano call."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_detector", Path(__file__).parents[1] / "bench" / "detector.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "detector.json"
+    bench.main(["--detectors", "nano", "--warmup", "0", "--reps", "1", "--pose-reps", "0", "--out", str(out)])
+    nano, pose = json.loads(out.read_text())["rows"]
+    assert 3.5e6 < nano["params"] < 4.0e6 and 7e9 < nano["flops"] < 8e9  # the D-FINE paper: 4 M, 7 GFLOPs
+    assert pose["flops"] > 400 * nano["flops"] and "median_ms" in nano and "median_ms" not in pose
+    assert 0 < nano["share_of_one_person_image"]["flops"] < 0.01
+    assert "| D-FINE nano (person detector) | 640x640 |" in out.with_suffix(".md").read_text()
