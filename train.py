@@ -152,7 +152,9 @@ def explicit_options(parser: argparse.ArgumentParser, argv) -> set[str]:
 # Processes and devices
 # ----------------------------------------------------------------------------------------------------
 class Distributed:
-    def __init__(self, device_name: str | None):
+    """This process's rank, the process count and device (torchrun's environment; one process without it)."""
+
+    def __init__(self, device_name: str | None, fsdp: bool = False):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -161,7 +163,8 @@ class Distributed:
         self.device = torch.device(device_name)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world > 1 and not dist.is_initialized():
+        launched = "MASTER_ADDR" in os.environ  # torchrun (FSDP needs the process group even for 1 process)
+        if (self.world > 1 or (fsdp and launched)) and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
     @property
@@ -180,7 +183,7 @@ class Distributed:
             dist.barrier()
 
     def close(self):
-        if self.world > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -217,8 +220,9 @@ def new_head_config(task: str, out_channels: int, config, widths, like: heads.He
     size = preset_size(config)
     table = heads.HEAD_TABLE[task] if size in heads.HEAD_TABLE[task] else heads.HEAD_TABLE["normal"]
     if size not in table:
-        raise SystemExit(f"error: the backbone (embed_dim {config.embed_dim}, depth {config.depth}) is no released "
-                         f"size; give the new head's widths with --head UPSAMPLE:CONV, e.g. --head 256,128:64,32")
+        raise ModelError(f"no released {task} head for this backbone ({size or 'a custom size'}: embed_dim "
+                         f"{config.embed_dim}, depth {config.depth}); give the new head's widths with "
+                         f"--head UPSAMPLE:CONV, e.g. --head 256,128:64,32")
     upsample, conv = table[size]
     return heads.HeadConfig(task, upsample, conv, out_channels, **extra)
 
@@ -250,11 +254,18 @@ def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
         why = f"new {args.task} head with {K} outputs: {why}"
     if args.task == "pose":  # the keypoint set travels with the model (predict.py's flip test and pose.json)
         head_config = replace(head_config, keypoint_names=info["keypoint_names"], flip_pairs=info["flip_pairs"])
-    torch.manual_seed(args.seed)  # the same new head on every process
-    model = heads.build_task_model(config, head_config)
-    model.backbone.load_state_dict(backbone.state_dict())
+    # Reuse the loaded modules (one copy of the weights in memory, even for 5b): the task model is built on
+    # the meta device and gets the loaded backbone, and the loaded head or a new one.
+    with torch.device("meta"):
+        model = heads.build_task_model(config, head_config)
+    backbone.config = config
+    model.backbone = backbone
     if why.startswith("continuing"):
-        model.decode_head.load_state_dict(loaded.decode_head.state_dict())
+        model.decode_head = loaded.decode_head
+    else:
+        torch.manual_seed(args.seed)  # the same new head on every process
+        grid = tuple(s // config.size_multiple for s in config.image_size)
+        model.decode_head = heads.build_head(head_config, config.embed_dim, grid)
     log(f"model: {args.model if not args.resume else args.out} -> {why}")
     return model.train()
 
@@ -305,16 +316,16 @@ def checkpoint_activations(model):
 
 def wrap(model, args, dist_info: Distributed):
     """DDP (several processes), FSDP2 (--fsdp) or the plain model."""
-    model.to(dist_info.device)
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        if dist_info.world == 1 and not dist.is_initialized():
-            raise SystemExit("error: --fsdp needs torch.distributed: launch with torchrun")
-        for block in model.backbone.blocks:
+        if not dist.is_initialized():
+            raise ModelError("--fsdp needs torch.distributed: launch with torchrun")
+        for block in model.backbone.blocks:  # shard first: no process holds the whole model on its device
             fully_shard(block)
         fully_shard(model)
-        return model
+        return model.to(dist_info.device)
+    model.to(dist_info.device)
     if dist_info.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -533,7 +544,7 @@ class Run:
 
     def __init__(self, args, argv):
         self.args, self.argv = args, argv
-        self.dist = Distributed(args.device)
+        self.dist = Distributed(args.device, args.fsdp)
         self.out = Path(args.out)
         self.notes = []
 

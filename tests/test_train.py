@@ -146,9 +146,9 @@ def test_overfit_each_task(task, backbone, tmp_path):
     args = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--batch-size", "4",
                                             "--workers", "0"])
     assert train.evaluate(model, val, args, info, dist_info)[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6)
-    torch.manual_seed(0)
-    fresh = heads.build_task_model(model.config, model.head_config)
-    fresh.backbone.load_state_dict(weights.load(backbone).state_dict())
+    start = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--model", str(backbone),
+                                             "--head", HEADS[task]])
+    fresh = train.build_model(start, info, log=lambda message: None)  # what training started from
     before = train.evaluate(fresh.eval(), val, args, info, dist_info)[name]
     assert sign * (final[name] - before) > 0, (before, final)
     assert isinstance(model, heads.TASK_MODELS[task]) and model.head_config.out_channels == info["out_channels"]
