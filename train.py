@@ -254,6 +254,11 @@ def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
         why = f"new {args.task} head with {K} outputs: {why}"
     if args.task == "pose":  # the keypoint set travels with the model (predict.py's flip test and pose.json)
         head_config = replace(head_config, keypoint_names=info["keypoint_names"], flip_pairs=info["flip_pairs"])
+    if head_config.task in weights.HF_TASK_CLASS_OF:
+        try:  # checkpoints are written with an HF config.json: find out now, not at the first save
+            weights.head_config_to_hf(head_config)
+        except ValueError as error:
+            raise ModelError(f"this head cannot be saved: {error}") from None
     # Reuse the loaded modules (one copy of the weights in memory, even for 5b): the task model is built on
     # the meta device and gets the loaded backbone, and the loaded head or a new one.
     with torch.device("meta"):

@@ -152,6 +152,10 @@ def test_overfit_each_task(task, backbone, tmp_path):
     before = train.evaluate(fresh.eval(), val, args, info, dist_info)[name]
     assert sign * (final[name] - before) > 0, (before, final)
     assert isinstance(model, heads.TASK_MODELS[task]) and model.head_config.out_channels == info["out_channels"]
+    if task != "pose":  # the checkpoint runs in predict.py (pose: test_pose_17_keypoints_train_and_predict)
+        assert predict.main([task, str(data / "val" / "images" / "im0.png"), "-o", str(tmp_path / "pred"),
+                             "--model", str(out), "--save", "raw"]) == 0
+        assert len(list((tmp_path / "pred").glob("im0.*"))) >= 1
 
 
 def test_pose_17_keypoints_train_and_predict(backbone, tmp_path):
