@@ -237,6 +237,9 @@ def test_resume_refuses_changed_options(backbone, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["seg", "--data", str(data), "-o", str(out), "--resume", "--lr", "1"])
     assert "--lr cannot change" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a new run does not overwrite an old one
+        run_train("seg", data, out, backbone, "--steps", 1, "--batch-size", 2)
+    assert "already holds a training run: --resume continues it" in capsys.readouterr().err
 
 
 def torchrun(*args, processes=2):
