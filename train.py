@@ -39,7 +39,7 @@ from sapiens2 import PRESETS, Sapiens2
 STATE_FILE, OPTIMIZER_FILE, LOG_FILE = "train_state.json", "optimizer.safetensors", "log.jsonl"
 # Options that may differ on --resume (everything else comes from the run being resumed).
 RESUME_MAY_CHANGE = {"steps", "epochs", "stop_at", "save_every", "eval_every", "log_every", "workers", "resume",
-                     "out", "data", "device", "progress"}
+                     "out", "data", "device", "progress", "batch_size", "accumulate"}  # same global batch: checked
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def state_dict_options():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, dist_info: Distributed):
+def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, dist_info: Distributed, global_batch: int):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_state = get_model_state_dict(model, options=state_dict_options())
@@ -408,11 +408,11 @@ def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, di
     else:
         rng = [rng]
     if dist_info.main:
-        write_checkpoint(out, unwrapped(model), model_state, optimizer_state, rng, step, args, info)
+        write_checkpoint(out, unwrapped(model), model_state, optimizer_state, rng, step, args, info, global_batch)
     dist_info.barrier()
 
 
-def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info):
+def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info, global_batch):
     """Every file goes to a temporary name first; train_state.json, written last, names the step."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".checkpoint.tmp"
@@ -436,7 +436,7 @@ def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, 
         for i, state in enumerate(states):
             tensors[f"rng/{r}/{i}"] = state.cpu()
     save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"step": str(step)})
-    state = {"step": step, "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+    state = {"step": step, "global_batch": global_batch, "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
              "param_groups": groups, "info": info, "torch": torch.__version__}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     for name in ("model.safetensors", "config.json", OPTIMIZER_FILE, STATE_FILE):
@@ -452,8 +452,8 @@ def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> 
     step = state["step"]
     saved_step = json.loads((out / "config.json").read_text()).get("sapiens2_training", {}).get("step")
     if saved_step != step:
-        raise SystemExit(f"error: {out}: model.safetensors is from step {saved_step}, {STATE_FILE} from step {step} "
-                         "(an interrupted save?); cannot resume exactly")
+        raise ModelError(f"{out}: model.safetensors is from step {saved_step}, {STATE_FILE} from step {step} (a save "
+                         f"was interrupted): the run cannot continue exactly; start a new one with --model {out}")
     entries = {}
     for key, value in tensors.items():
         if key.startswith("state/"):
@@ -580,7 +580,14 @@ class Run:
         self.model = wrap(model, args, dist_info)
         groups = parameter_groups(unwrapped(self.model), args)
         self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-        self.start = load_training_state(self.out, self.model, self.optimizer, dist_info) if args.resume else 0
+        self.start = 0
+        if args.resume:
+            saved = json.loads((self.out / STATE_FILE).read_text()).get("global_batch")
+            if saved != self.global_batch:
+                raise ModelError(f"--resume: the run's global batch was {saved}, now {self.global_batch} (--batch-size "
+                                 f"{args.batch_size} x {dist_info.world} processes x --accumulate {args.accumulate}); "
+                                 f"set --batch-size/--accumulate to give {saved}")
+            self.start = load_training_state(self.out, self.model, self.optimizer, dist_info)
         if not args.resume:
             torch.manual_seed(args.seed + dist_info.rank)  # dropout / drop-path, if configured
         if dist_info.main:
@@ -622,7 +629,7 @@ class Run:
                 log.write({"step": done, "eval": metrics})
                 progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if (args.save_every and done % args.save_every == 0) or done == self.stop:
-                save_checkpoint(self.out, model, optimizer, done, args, self.info, dist_info)
+                save_checkpoint(self.out, model, optimizer, done, args, self.info, dist_info, self.global_batch)
         progress.note(f"saved {self.out / 'model.safetensors'} at step {self.stop}" + (
             "" if self.stop == self.total else f"; continue with --resume (step {self.stop} of {self.total})"))
 

@@ -223,6 +223,8 @@ def test_resume_is_exact(backbone, tmp_path):
         assert train.main([str(a) for a in ["seg", "--data", data, "-o", out, "--model", backbone, "--head",
                                             HEADS["seg"], "--workers", 0, "--no-progress", *common, *extra]]) == 0
     assert json.loads((split / "train_state.json").read_text())["step"] == 10
+    assert train.main(["seg", "--data", str(data), "-o", str(split), "--resume", "--batch-size", "1",
+                       "--no-progress"]) == 2  # a global batch of 1 x 2, not 2 x 2
     assert train.main(["seg", "--data", str(data), "-o", str(split), "--resume", "--workers", "0", "--no-progress"]) == 0
     a, b = checkpoint_tensors(whole), checkpoint_tensors(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
