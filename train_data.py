@@ -453,21 +453,10 @@ class PoseDataset:
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(person["file"]).float()
         keypoints = person["keypoints"].clone()  # (K, 3) image pixels + visibility
-        box = torch.tensor(person["bbox"])
-        angle, flip = 0.0, False
+        center, crop, angle, flip = self.crop_parameters(torch.tensor(person["bbox"]), keypoints, generator)
         if self.augment:
-            box = self.half_body(box, keypoints, generator)
             image = color_jitter(image, generator)
-        center, crop = processing.crop_geometry(box[None], self.size)
-        center, crop = center[0], crop[0]
-        if self.augment:
-            if chance(generator, POSE_SHIFT_PROB):
-                center = center + crop * torch.tensor([uniform(generator, -1, 1), uniform(generator, -1, 1)]) * POSE_SHIFT
-            crop = crop * uniform(generator, *POSE_SCALE)
-            if chance(generator, POSE_ROTATION_PROB):
-                angle = uniform(generator, -POSE_ROTATION, POSE_ROTATION)
-            flip = chance(generator, 0.5)
-        to_source = crop_affine(center, crop, angle, self.size)  # (2, 3): network pixel -> source pixel
+        to_source = crop_affine(center, crop, angle, self.size)  # (3, 3): network pixel -> source pixel
         pixels = warp(image, to_source, self.size, upscale=bool((crop <= torch.tensor(self.size[::-1]) - 1).all()))
         points = apply_affine(invert_affine(to_source), keypoints[:, :2])  # network pixels
         visible = keypoints[:, 2] > 0
@@ -482,6 +471,19 @@ class PoseDataset:
         return {"pixel_values": processing.normalize(pixels), "labels": heatmaps, "label_weights": weights,
                 "keypoints": truth, "to_source": to_source, "bbox": torch.tensor(person["bbox"]),
                 "area": torch.tensor(person["area"]), "flipped": torch.tensor(flip)}
+
+    def crop_parameters(self, box, keypoints, generator):
+        """(centre, crop size (w, h), rotation in degrees, flip) of the person's crop; augmented when training."""
+        if not self.augment:
+            center, crop = processing.crop_geometry(box[None], self.size)
+            return center[0], crop[0], 0.0, False
+        center, crop = processing.crop_geometry(self.half_body(box, keypoints, generator)[None], self.size)
+        center, crop = center[0], crop[0]
+        if chance(generator, POSE_SHIFT_PROB):
+            center = center + crop * torch.tensor([uniform(generator, -1, 1), uniform(generator, -1, 1)]) * POSE_SHIFT
+        crop = crop * uniform(generator, *POSE_SCALE)
+        angle = uniform(generator, -POSE_ROTATION, POSE_ROTATION) if chance(generator, POSE_ROTATION_PROB) else 0.0
+        return center, crop, angle, chance(generator, 0.5)
 
     def half_body(self, box, keypoints, generator):
         """The original's half-body augmentation, for any keypoint set: with probability 0.3 and enough
