@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import heads
 import processing
@@ -445,11 +446,16 @@ def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, 
 
 
 def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> int:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.fsdp import FSDPModule
 
     state = json.loads((out / STATE_FILE).read_text())
-    tensors = load_file(str(out / OPTIMIZER_FILE))
     step = state["step"]
+    # FSDP: only rank 0 reads the full optimizer state; the others receive their shards from it.
+    broadcast = isinstance(model, FSDPModule) and dist_info.world > 1
+    with safe_open(str(out / OPTIMIZER_FILE), "pt") as f:
+        wanted = [k for k in f.keys() if dist_info.main or not broadcast or k.startswith("rng/")]
+        tensors = {k: f.get_tensor(k) for k in wanted}
     saved_step = json.loads((out / "config.json").read_text()).get("sapiens2_training", {}).get("step")
     if saved_step != step:
         raise ModelError(f"{out}: model.safetensors is from step {saved_step}, {STATE_FILE} from step {step} (a save "
@@ -461,7 +467,10 @@ def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> 
             name, field = rest.rsplit("/", 1)
             entries.setdefault(name, {})[field] = value
     optimizer_state = {"state": entries, "param_groups": state["param_groups"]}
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=state_dict_options())
+    if broadcast and not dist_info.main:
+        optimizer_state = {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
     rank = dist_info.rank if f"rng/{dist_info.rank}/0" in tensors else 0
     torch.set_rng_state(tensors[f"rng/{rank}/0"])
     if dist_info.device.type == "cuda" and f"rng/{rank}/1" in tensors:

@@ -418,3 +418,13 @@ def test_bad_data_is_named(task, damage, message, backbone, tmp_path, capsys):
     if code == 0:  # problems inside a file surface when it is read: the first step
         pytest.fail(f"no error for {message}")
     assert code == 2 and __import__("re").search(message, err), err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
+def test_bf16_autocast_training_on_cuda(backbone, tmp_path):
+    """bf16 autocast by default on CUDA; the weights and the optimizer state stay fp32."""
+    data = make_dataset("seg", tmp_path / "data")
+    out = tmp_path / "run"
+    assert run_train("seg", data, out, backbone, "--steps", 5, "--device", "cuda", "--log-every", 1) == 0
+    assert all(np.isfinite(r["loss"]) for r in read_log(out) if "loss" in r)
+    assert {t.dtype for t in checkpoint_tensors(out).values() if t.is_floating_point()} == {torch.float32}
