@@ -252,21 +252,29 @@ def torchrun(*args, processes=2):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def one_process_run(backbone, tmp_path_factory):
+    """3 seg steps, global batch 4 on one process: what the 2-process runs must reproduce."""
+    root = tmp_path_factory.mktemp("one_process")
+    data = make_dataset("seg", root / "data")
+    common = ["seg", "--data", data, "--model", backbone, "--head", HEADS["seg"], "--workers", 0, "--no-progress",
+              "--steps", 3, "--warmup", 1, "--lr", "1e-3"]
+    assert train.main([str(a) for a in [*common, "-o", root / "one", "--batch-size", 4]]) == 0
+    return data, common, root / "one"
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_two_processes_equal_one(engine, backbone, tmp_path):
+def test_two_processes_equal_one(engine, one_process_run, tmp_path):
     """The same global batch (4) and seed on 1 process and on 2 (gloo): the same weights and optimizer state.
     The FSDP run also recomputes activations (--checkpoint-activations), which must not change the numbers,
     and stops after step 2 and resumes (the sharded optimizer state goes through the files)."""
-    data = make_dataset("seg", tmp_path / "data")
-    common = ["seg", "--data", data, "--model", backbone, "--head", HEADS["seg"], "--workers", 0, "--no-progress",
-              "--steps", 3, "--warmup", 1, "--lr", "1e-3"]
-    assert train.main([str(a) for a in [*common, "-o", tmp_path / "one", "--batch-size", 4]]) == 0
+    data, common, one_out = one_process_run
     if engine == "ddp":
         torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2)
     else:
         torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2, "--fsdp", "--checkpoint-activations", "--stop-at", 2)
         torchrun("seg", "--data", data, "-o", tmp_path / "two", "--resume")
-    one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
+    one, two = checkpoint_tensors(one_out), checkpoint_tensors(tmp_path / "two")
     assert one.keys() == two.keys()
     # A conv bias right before an InstanceNorm has a zero gradient in exact arithmetic; Adam turns its rounding
     # noise into +-lr steps, different on 1 and 2 processes, and without effect on the output: not compared.
