@@ -21,7 +21,9 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -612,35 +614,48 @@ class Run:
         log.write({"start": self.start, "argv": self.argv, "notes": self.notes})
         sampler = StepSampler(len(self.train_set), args, dist_info, self.start, self.stop)
         loader = torch.utils.data.DataLoader(self.train_set, batch_sampler=sampler, collate_fn=train_data.collate,
-                                             num_workers=args.workers, pin_memory=dist_info.device.type == "cuda")
+                                             num_workers=args.workers, pin_memory=dist_info.device.type == "cuda",
+                                             worker_init_fn=ignore_stop_signals)
         batches = iter(loader)
         params = [p for p in model.parameters() if p.requires_grad]
         losses, window_start = [], time.perf_counter()
-        for step in range(self.start, self.stop):
-            lr = learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            loss = sum(self.micro_step(model, next(batches), micro) for micro in range(args.accumulate))
-            if args.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss)
-            done = step + 1
-            if done % args.log_every == 0 or done == self.stop:
-                mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
-                rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
-                log.write({"step": done, "loss": mean.item() / dist_info.world, "lr": lr, "images_per_s": rate})
-                progress.update(done, mean.item() / dist_info.world, lr, rate)
-                losses, window_start = [], time.perf_counter()
-            if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
-                metrics = evaluate(model, self.val_set, args, self.info, dist_info)
-                log.write({"step": done, "eval": metrics})
-                progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if (args.save_every and done % args.save_every == 0) or done == self.stop:
-                save_checkpoint(self.out, model, optimizer, done, args, self.info, dist_info, self.global_batch)
+        with StopRequests(progress.note) as stop_requests:
+            for step in range(self.start, self.stop):
+                losses.append(self.train_step(step, batches, params))
+                done = step + 1
+                if done % args.log_every == 0 or done == self.stop:
+                    mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
+                    lr = learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
+                    rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
+                    log.write({"step": done, "loss": mean.item() / dist_info.world, "lr": lr, "images_per_s": rate})
+                    progress.update(done, mean.item() / dist_info.world, lr, rate)
+                    losses, window_start = [], time.perf_counter()
+                if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
+                    metrics = evaluate(model, self.val_set, args, self.info, dist_info)
+                    log.write({"step": done, "eval": metrics})
+                    progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                stopping = stop_requests.agreed(dist_info)
+                if (args.save_every and done % args.save_every == 0) or done == self.stop or stopping:
+                    save_checkpoint(self.out, model, optimizer, done, args, self.info, dist_info, self.global_batch)
+                if stopping:
+                    progress.note(f"stopped at step {done} of {self.total}; saved; --resume continues")
+                    return INTERRUPTED
         progress.note(f"saved {self.out / 'model.safetensors'} at step {self.stop}" + (
             "" if self.stop == self.total else f"; continue with --resume (step {self.stop} of {self.total})"))
+        return 0
+
+    def train_step(self, step: int, batches, params) -> float:
+        """One optimizer step (over --accumulate micro-batches); returns its loss."""
+        args, optimizer = self.args, self.optimizer
+        lr = learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        loss = sum(self.micro_step(self.model, next(batches), micro) for micro in range(args.accumulate))
+        if args.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
 
     def micro_step(self, model, batch, micro: int) -> float:
         """Forward + backward of one micro-batch; gradients are synchronized after the last one only."""
@@ -656,6 +671,42 @@ class Run:
         return loss.detach().float().item()
 
 
+def ignore_stop_signals(_worker_id: int):
+    """Data workers leave Ctrl-C / SIGTERM to the training process, which finishes its step first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+INTERRUPTED = 130  # exit status after Ctrl-C / SIGTERM (checkpoint saved), as a shell reports SIGINT
+
+
+class StopRequests:
+    """Ctrl-C or SIGTERM (e.g. a scheduler's notice) asks to stop at the end of the current step, after a
+    checkpoint; a second Ctrl-C stops at once. All processes agree on the step (one all-reduce per step)."""
+
+    def __init__(self, note):
+        self.note, self.requested, self.previous = note, False, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.request)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def request(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.note("stopping after this step (a checkpoint is saved first; Ctrl-C again to quit now)")
+
+    def agreed(self, dist_info: Distributed) -> bool:
+        return dist_info.all_reduce(torch.tensor([float(self.requested)])).item() > 0
+
+
 USER_ERRORS = (train_data.DataError, processing.ImageLoadError, FileNotFoundError, ModelError)
 
 
@@ -663,13 +714,12 @@ def train(args, argv=None) -> int:
     run = Run(args, argv)
     try:
         run.setup()
-        run.loop()
+        return run.loop()
     except USER_ERRORS as error:  # bad data or checkpoint: the message names the file
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
         run.dist.close()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -436,3 +436,27 @@ def test_bf16_autocast_training_on_cuda(backbone, tmp_path):
     assert run_train("seg", data, out, backbone, "--steps", 5, "--device", "cuda", "--log-every", 1) == 0
     assert all(np.isfinite(r["loss"]) for r in read_log(out) if "loss" in r)
     assert {t.dtype for t in checkpoint_tensors(out).values() if t.is_floating_point()} == {torch.float32}
+
+
+def test_ctrl_c_saves_the_step_and_resume_continues(backbone, tmp_path):
+    """SIGINT: the step finishes, a checkpoint is written, exit 130; --resume goes on from there."""
+    import signal
+    import time
+
+    data = make_dataset("seg", tmp_path / "data", count=2)
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "train.py"), "seg", "--data", data, "-o", out, "--model", backbone, "--head",
+               HEADS["seg"], "--workers", 1, "--batch-size", 2, "--steps", 100000, "--log-every", 1, "--no-progress"]
+    process = subprocess.Popen([str(c) for c in command], stderr=subprocess.PIPE, text=True,
+                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not ((out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text()):
+        assert process.poll() is None and time.time() < deadline, process.stderr.read() if process.poll() else "slow"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, process.stderr.read()
+    step = json.loads((out / "train_state.json").read_text())["step"]
+    assert 1 <= step < 100000 and "stopped at step" in process.stderr.read()
+    assert train.main(["seg", "--data", str(data), "-o", str(out), "--resume", "--steps", str(step + 1),
+                       "--workers", "0", "--no-progress"]) == 0
+    assert json.loads((out / "train_state.json").read_text())["step"] == step + 1
