@@ -327,8 +327,6 @@ def wrap(model, args, dist_info: Distributed):
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        if not dist.is_initialized():
-            raise ModelError("--fsdp needs torch.distributed: launch with torchrun")
         for block in model.backbone.blocks:  # shard first: no process holds the whole model on its device
             fully_shard(block)
         fully_shard(model)
@@ -570,6 +568,9 @@ class Run:
 
     def setup(self):
         args, dist_info = self.args, self.dist
+        if args.fsdp and not dist.is_initialized():
+            raise ModelError("--fsdp shards over torch.distributed processes: launch with torchrun "
+                             "(torchrun --nproc-per-node N train.py ...)")
         self.info = train_data.dataset_info(args.task, Path(args.data))
         model = build_model(args, self.info, self.note)
         size = tuple(model.config.image_size)
