@@ -325,8 +325,7 @@ def checkpoint_activations(model):
 def wrap(model, args, dist_info: Distributed):
     """DDP (several processes), FSDP2 (--fsdp) or the plain model."""
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
-
+        fully_shard, _ = fsdp2()
         for block in model.backbone.blocks:  # shard first: no process holds the whole model on its device
             fully_shard(block)
         fully_shard(model)
@@ -338,6 +337,15 @@ def wrap(model, args, dist_info: Distributed):
         ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=False)
     return model
+
+
+def fsdp2():
+    """(fully_shard, FSDPModule): public in torch.distributed.fsdp since torch 2.6, _composable before."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+    return fully_shard, FSDPModule
 
 
 def unwrapped(model):
@@ -447,12 +455,11 @@ def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, 
 
 def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> int:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    from torch.distributed.fsdp import FSDPModule
 
     state = json.loads((out / STATE_FILE).read_text())
     step = state["step"]
     # FSDP: only rank 0 reads the full optimizer state; the others receive their shards from it.
-    broadcast = isinstance(model, FSDPModule) and dist_info.world > 1
+    broadcast = isinstance(model, fsdp2()[1]) and dist_info.world > 1
     with safe_open(str(out / OPTIMIZER_FILE), "pt") as f:
         wanted = [k for k in f.keys() if dist_info.main or not broadcast or k.startswith("rng/")]
         tensors = {k: f.get_tensor(k) for k in wanted}
