@@ -198,6 +198,13 @@ def random_box(image_size, out_size, generator) -> tuple[float, float, float, fl
 def resample_box(maps: torch.Tensor, box, out_size, mode: str, fill: float = 0.0) -> torch.Tensor:
     """(C, H, W) float -> (C, *out_size): the box's content (pixel centres at +0.5, as a resize), `fill`
     outside the source. mode: "bilinear" (images) or "nearest" (labels, normals, points, as the original)."""
+    shrink = min(out_size[1] / box[2], out_size[0] / box[3])
+    if mode == "bilinear" and shrink < 1:  # shrink with an antialiased resize first, as predict.py's preprocessing
+        h, w = maps.shape[-2:]
+        small = (max(1, round(h * shrink)), max(1, round(w * shrink)))
+        maps = processing.resize(maps.float(), small, "bilinear_antialias")
+        sy, sx = small[0] / h, small[1] / w
+        box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)  # edge coordinates scale exactly
     _, h, w = maps.shape
     x0, y0, bw, bh = box
     xs = x0 + (torch.arange(out_size[1], dtype=torch.float64) + 0.5) * bw / out_size[1]
