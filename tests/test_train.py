@@ -319,22 +319,25 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
     assert 0 < flips < len(SEEDS)
 
 
-def test_dense_inputs_match_predict_preprocessing(tmp_path):
-    """Without augmentation a dense sample's pixels are predict.py's (aspect-preserving, antialiased resize and
-    padding), here for a photo twice the network size and for one of another aspect."""
-    data = make_dataset("albedo", tmp_path / "data", count=1, h=128, w=96)
+@pytest.mark.parametrize("task", ["albedo", "seg"])
+def test_dense_inputs_match_predict_preprocessing(task, tmp_path):
+    """Without augmentation a dense sample's pixels are predict.py's (antialiased resize; padded to the
+    network's aspect for normal/pointmap/albedo, stretched for seg/matting), here for a photo twice the
+    network size and for one of another aspect."""
+    data = make_dataset(task, tmp_path / "data", count=1, h=128, w=96)
     v, u = np.mgrid[0:70, 0:150]  # smooth: the two paddings may differ by a sub-pixel shift (predict.py rounds)
     wide = np.stack([u * 1.6, v * 3.0, 255 - u * 1.6], -1).astype(np.uint8)
     save_png(data / "train" / "images" / "wide.png", wide)
-    save_png(data / "train" / "albedo" / "wide.png", wide)
-    info = train_data.dataset_info("albedo", data)
-    dataset = train_data.build_dataset("albedo", data, "train", SIZE, False, info)
+    save_png(data / "train" / train_data.TARGET_FOLDERS[task] / "wide.png", wide if task == "albedo" else wide[..., 0] % 3)
+    info = train_data.dataset_info(task, data)
+    dataset = train_data.build_dataset(task, data, "train", SIZE, False, info)
     for index, name in enumerate(dataset.names):
-        expected = processing.preprocess([processing.load_image(dataset.images[name])], SIZE, pad=True).pixel_values[0]
+        image = processing.load_image(dataset.images[name])
+        expected = processing.preprocess([image], SIZE, pad=task == "albedo").pixel_values[0]
         sample = dataset[(index, 0)]
-        valid = sample["mask"][0] > 0  # the padding: zeros in predict.py, the normalized black here
+        valid = sample["mask"][0] > 0 if task == "albedo" else torch.ones(SIZE, dtype=torch.bool)  # not the padding
         torch.testing.assert_close(sample["pixel_values"][:, valid], expected[:, valid], atol=0.05, rtol=0, msg=name)  # edge rows: 22 vs 22.4
-        assert valid.float().mean() > (0.99 if name == "im0" else 0.3)
+        assert valid.float().mean() > (0.99 if name == "im0" or task == "seg" else 0.3)
 
 
 def dense_augmented(task, tmp_path, classes=None):
