@@ -21,14 +21,17 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import heads
 import processing
@@ -39,7 +42,7 @@ from sapiens2 import PRESETS, Sapiens2
 STATE_FILE, OPTIMIZER_FILE, LOG_FILE = "train_state.json", "optimizer.safetensors", "log.jsonl"
 # Options that may differ on --resume (everything else comes from the run being resumed).
 RESUME_MAY_CHANGE = {"steps", "epochs", "stop_at", "save_every", "eval_every", "log_every", "workers", "resume",
-                     "out", "data", "device", "progress"}
+                     "out", "data", "device", "progress", "batch_size", "accumulate"}  # same global batch: checked
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -152,7 +155,9 @@ def explicit_options(parser: argparse.ArgumentParser, argv) -> set[str]:
 # Processes and devices
 # ----------------------------------------------------------------------------------------------------
 class Distributed:
-    def __init__(self, device_name: str | None):
+    """This process's rank, the process count and device (torchrun's environment; one process without it)."""
+
+    def __init__(self, device_name: str | None, fsdp: bool = False):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -161,7 +166,8 @@ class Distributed:
         self.device = torch.device(device_name)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world > 1 and not dist.is_initialized():
+        launched = "MASTER_ADDR" in os.environ  # torchrun (FSDP needs the process group even for 1 process)
+        if (self.world > 1 or (fsdp and launched)) and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
     @property
@@ -180,7 +186,7 @@ class Distributed:
             dist.barrier()
 
     def close(self):
-        if self.world > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -217,8 +223,9 @@ def new_head_config(task: str, out_channels: int, config, widths, like: heads.He
     size = preset_size(config)
     table = heads.HEAD_TABLE[task] if size in heads.HEAD_TABLE[task] else heads.HEAD_TABLE["normal"]
     if size not in table:
-        raise SystemExit(f"error: the backbone (embed_dim {config.embed_dim}, depth {config.depth}) is no released "
-                         f"size; give the new head's widths with --head UPSAMPLE:CONV, e.g. --head 256,128:64,32")
+        raise ModelError(f"no released {task} head for this backbone ({size or 'a custom size'}: embed_dim "
+                         f"{config.embed_dim}, depth {config.depth}); give the new head's widths with "
+                         f"--head UPSAMPLE:CONV, e.g. --head 256,128:64,32")
     upsample, conv = table[size]
     return heads.HeadConfig(task, upsample, conv, out_channels, **extra)
 
@@ -250,11 +257,18 @@ def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
         why = f"new {args.task} head with {K} outputs: {why}"
     if args.task == "pose":  # the keypoint set travels with the model (predict.py's flip test and pose.json)
         head_config = replace(head_config, labels=info["keypoint_names"], flip_pairs=info["flip_pairs"])
-    torch.manual_seed(args.seed)  # the same new head on every process
-    model = heads.build_task_model(config, head_config)
-    model.backbone.load_state_dict(backbone.state_dict())
+    # Reuse the loaded modules (one copy of the weights in memory, even for 5b): the task model is built on
+    # the meta device and gets the loaded backbone, and the loaded head or a new one.
+    with torch.device("meta"):
+        model = heads.build_task_model(config, head_config)
+    backbone.config = config
+    model.backbone = backbone
     if why.startswith("continuing"):
-        model.decode_head.load_state_dict(loaded.decode_head.state_dict())
+        model.decode_head = loaded.decode_head
+    else:
+        torch.manual_seed(args.seed)  # the same new head on every process
+        model.decode_head = heads.build_head(model.head_config, config.embed_dim, config.size_multiple,
+                                             config.hidden_act)
     log(f"model: {args.model if not args.resume else args.out} -> {why}")
     return model.train()
 
@@ -305,22 +319,28 @@ def checkpoint_activations(model):
 
 def wrap(model, args, dist_info: Distributed):
     """DDP (several processes), FSDP2 (--fsdp) or the plain model."""
-    model.to(dist_info.device)
     if args.fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        if dist_info.world == 1 and not dist.is_initialized():
-            raise SystemExit("error: --fsdp needs torch.distributed: launch with torchrun")
-        for block in model.backbone.blocks:
+        fully_shard, _ = fsdp2()
+        for block in model.backbone.blocks:  # shard first: no process holds the whole model on its device
             fully_shard(block)
         fully_shard(model)
-        return model
+        return model.to(dist_info.device)
+    model.to(dist_info.device)
     if dist_info.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=False)
     return model
+
+
+def fsdp2():
+    """(fully_shard, FSDPModule): public in torch.distributed.fsdp since torch 2.6, _composable before."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+    return fully_shard, FSDPModule
 
 
 def unwrapped(model):
@@ -379,7 +399,7 @@ def state_dict_options():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, dist_info: Distributed):
+def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, dist_info: Distributed, global_batch: int):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_state = get_model_state_dict(model, options=state_dict_options())
@@ -392,11 +412,11 @@ def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, di
     else:
         rng = [rng]
     if dist_info.main:
-        write_checkpoint(out, unwrapped(model), model_state, optimizer_state, rng, step, args, info)
+        write_checkpoint(out, unwrapped(model), model_state, optimizer_state, rng, step, args, info, global_batch)
     dist_info.barrier()
 
 
-def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info):
+def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info, global_batch):
     """Every file goes to a temporary name first; train_state.json, written last, names the step."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".checkpoint.tmp"
@@ -420,7 +440,7 @@ def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, 
         for i, state in enumerate(states):
             tensors[f"rng/{r}/{i}"] = state.cpu()
     save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"step": str(step)})
-    state = {"step": step, "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+    state = {"step": step, "global_batch": global_batch, "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
              "param_groups": groups, "info": info, "torch": torch.__version__}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     for name in ("model.safetensors", "config.json", OPTIMIZER_FILE, STATE_FILE):
@@ -429,15 +449,19 @@ def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, 
 
 
 def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> int:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     state = json.loads((out / STATE_FILE).read_text())
-    tensors = load_file(str(out / OPTIMIZER_FILE))
     step = state["step"]
+    # FSDP: only rank 0 reads the full optimizer state; the others receive their shards from it.
+    broadcast = isinstance(model, fsdp2()[1]) and dist_info.world > 1
+    with safe_open(str(out / OPTIMIZER_FILE), "pt") as f:
+        wanted = [k for k in f.keys() if dist_info.main or not broadcast or k.startswith("rng/")]
+        tensors = {k: f.get_tensor(k) for k in wanted}
     saved_step = json.loads((out / "config.json").read_text()).get("sapiens2_training", {}).get("step")
     if saved_step != step:
-        raise SystemExit(f"error: {out}: model.safetensors is from step {saved_step}, {STATE_FILE} from step {step} "
-                         "(an interrupted save?); cannot resume exactly")
+        raise ModelError(f"{out}: model.safetensors is from step {saved_step}, {STATE_FILE} from step {step} (a save "
+                         f"was interrupted): the run cannot continue exactly; start a new one with --model {out}")
     entries = {}
     for key, value in tensors.items():
         if key.startswith("state/"):
@@ -445,7 +469,10 @@ def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> 
             name, field = rest.rsplit("/", 1)
             entries.setdefault(name, {})[field] = value
     optimizer_state = {"state": entries, "param_groups": state["param_groups"]}
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=state_dict_options())
+    if broadcast and not dist_info.main:
+        optimizer_state = {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
     rank = dist_info.rank if f"rng/{dist_info.rank}/0" in tensors else 0
     torch.set_rng_state(tensors[f"rng/{rank}/0"])
     if dist_info.device.type == "cuda" and f"rng/{rank}/1" in tensors:
@@ -533,7 +560,7 @@ class Run:
 
     def __init__(self, args, argv):
         self.args, self.argv = args, argv
-        self.dist = Distributed(args.device)
+        self.dist = Distributed(args.device, args.fsdp)
         self.out = Path(args.out)
         self.notes = []
 
@@ -543,6 +570,9 @@ class Run:
 
     def setup(self):
         args, dist_info = self.args, self.dist
+        if args.fsdp and not dist.is_initialized():
+            raise ModelError("--fsdp shards over torch.distributed processes: launch with torchrun "
+                             "(torchrun --nproc-per-node N train.py ...)")
         self.info = train_data.dataset_info(args.task, Path(args.data))
         model = build_model(args, self.info, self.note)
         size = tuple(model.config.image_size)
@@ -564,7 +594,14 @@ class Run:
         self.model = wrap(model, args, dist_info)
         groups = parameter_groups(unwrapped(self.model), args)
         self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-        self.start = load_training_state(self.out, self.model, self.optimizer, dist_info) if args.resume else 0
+        self.start = 0
+        if args.resume:
+            saved = json.loads((self.out / STATE_FILE).read_text()).get("global_batch")
+            if saved != self.global_batch:
+                raise ModelError(f"--resume: the run's global batch was {saved}, now {self.global_batch} (--batch-size "
+                                 f"{args.batch_size} x {dist_info.world} processes x --accumulate {args.accumulate}); "
+                                 f"set --batch-size/--accumulate to give {saved}")
+            self.start = load_training_state(self.out, self.model, self.optimizer, dist_info)
         if not args.resume:
             torch.manual_seed(args.seed + dist_info.rank)  # dropout / drop-path, if configured
         if dist_info.main:
@@ -580,35 +617,48 @@ class Run:
         log.write({"start": self.start, "argv": self.argv, "notes": self.notes})
         sampler = StepSampler(len(self.train_set), args, dist_info, self.start, self.stop)
         loader = torch.utils.data.DataLoader(self.train_set, batch_sampler=sampler, collate_fn=train_data.collate,
-                                             num_workers=args.workers, pin_memory=dist_info.device.type == "cuda")
+                                             num_workers=args.workers, pin_memory=dist_info.device.type == "cuda",
+                                             worker_init_fn=ignore_stop_signals)
         batches = iter(loader)
         params = [p for p in model.parameters() if p.requires_grad]
         losses, window_start = [], time.perf_counter()
-        for step in range(self.start, self.stop):
-            lr = learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            loss = sum(self.micro_step(model, next(batches), micro) for micro in range(args.accumulate))
-            if args.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss)
-            done = step + 1
-            if done % args.log_every == 0 or done == self.stop:
-                mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
-                rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
-                log.write({"step": done, "loss": mean.item() / dist_info.world, "lr": lr, "images_per_s": rate})
-                progress.update(done, mean.item() / dist_info.world, lr, rate)
-                losses, window_start = [], time.perf_counter()
-            if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
-                metrics = evaluate(model, self.val_set, args, self.info, dist_info)
-                log.write({"step": done, "eval": metrics})
-                progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if (args.save_every and done % args.save_every == 0) or done == self.stop:
-                save_checkpoint(self.out, model, optimizer, done, args, self.info, dist_info)
+        with StopRequests(progress.note) as stop_requests:
+            for step in range(self.start, self.stop):
+                losses.append(self.train_step(step, batches, params))
+                done = step + 1
+                if done % args.log_every == 0 or done == self.stop:
+                    mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
+                    lr = learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
+                    rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
+                    log.write({"step": done, "loss": mean.item() / dist_info.world, "lr": lr, "images_per_s": rate})
+                    progress.update(done, mean.item() / dist_info.world, lr, rate)
+                    losses, window_start = [], time.perf_counter()
+                if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
+                    metrics = evaluate(model, self.val_set, args, self.info, dist_info)
+                    log.write({"step": done, "eval": metrics})
+                    progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                stopping = stop_requests.agreed(dist_info)
+                if (args.save_every and done % args.save_every == 0) or done == self.stop or stopping:
+                    save_checkpoint(self.out, model, optimizer, done, args, self.info, dist_info, self.global_batch)
+                if stopping:
+                    progress.note(f"stopped at step {done} of {self.total}; saved; --resume continues")
+                    return INTERRUPTED
         progress.note(f"saved {self.out / 'model.safetensors'} at step {self.stop}" + (
             "" if self.stop == self.total else f"; continue with --resume (step {self.stop} of {self.total})"))
+        return 0
+
+    def train_step(self, step: int, batches, params) -> float:
+        """One optimizer step (over --accumulate micro-batches); returns its loss."""
+        args, optimizer = self.args, self.optimizer
+        lr = learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        loss = sum(self.micro_step(self.model, next(batches), micro) for micro in range(args.accumulate))
+        if args.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
 
     def micro_step(self, model, batch, micro: int) -> float:
         """Forward + backward of one micro-batch; gradients are synchronized after the last one only."""
@@ -624,6 +674,42 @@ class Run:
         return loss.detach().float().item()
 
 
+def ignore_stop_signals(_worker_id: int):
+    """Data workers leave Ctrl-C / SIGTERM to the training process, which finishes its step first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+INTERRUPTED = 130  # exit status after Ctrl-C / SIGTERM (checkpoint saved), as a shell reports SIGINT
+
+
+class StopRequests:
+    """Ctrl-C or SIGTERM (e.g. a scheduler's notice) asks to stop at the end of the current step, after a
+    checkpoint; a second Ctrl-C stops at once. All processes agree on the step (one all-reduce per step)."""
+
+    def __init__(self, note):
+        self.note, self.requested, self.previous = note, False, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.request)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def request(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.note("stopping after this step (a checkpoint is saved first; Ctrl-C again to quit now)")
+
+    def agreed(self, dist_info: Distributed) -> bool:
+        return dist_info.all_reduce(torch.tensor([float(self.requested)])).item() > 0
+
+
 USER_ERRORS = (train_data.DataError, processing.ImageLoadError, FileNotFoundError, ModelError)
 
 
@@ -631,13 +717,12 @@ def train(args, argv=None) -> int:
     run = Run(args, argv)
     try:
         run.setup()
-        run.loop()
+        return run.loop()
     except USER_ERRORS as error:  # bad data or checkpoint: the message names the file
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
         run.dist.close()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

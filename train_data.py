@@ -54,7 +54,7 @@ class DataError(ValueError):
 # ----------------------------------------------------------------------------------------------------
 # Augmentation settings (the original's kinds, in torch; every random choice from the sample's generator)
 # ----------------------------------------------------------------------------------------------------
-DENSE_SCALE = (0.6, 1.2)  # crop box size relative to the whole (letterboxed) image: < 1 zooms in
+DENSE_SCALE = (0.6, 1.2)  # crop box size relative to the whole-image box: < 1 zooms in
 DENSE_SHIFT = 0.2  # crop centre shift, as a share of the crop size
 COLOR_JITTER = 0.2  # brightness, contrast and saturation factors in [1 - j, 1 + j]
 POSE_SCALE = (0.75, 1.25)  # box size factor (mmpose RandomBBoxTransform-like)
@@ -179,16 +179,28 @@ def check_size(path: Path, array: np.ndarray, image_size: tuple[int, int], image
 # ----------------------------------------------------------------------------------------------------
 # Geometry: one crop box (x0, y0, width, height) in source pixels with the network's aspect, resampled
 # ----------------------------------------------------------------------------------------------------
+STRETCHED = ("seg", "matting")  # predict.py resizes these to the network size as they are (no padding)
+
+
+def whole_image_box(task: str, image_size, out_size) -> tuple[float, float, float, float]:
+    """The box predict.py's preprocessing shows the network: the image itself (seg, matting: a plain resize),
+    or the smallest box with the network's aspect that holds it, centred (normal, pointmap, albedo: resize
+    and pad)."""
+    if task in STRETCHED:
+        return (0.0, 0.0, float(image_size[1]), float(image_size[0]))
+    return letterbox_box(image_size, out_size)
+
+
 def letterbox_box(image_size, out_size) -> tuple[float, float, float, float]:
-    """The smallest box with the network's aspect that holds the whole image, centred (resize + pad)."""
     h, w = image_size
     aspect = out_size[1] / out_size[0]
     bw, bh = (w, w / aspect) if w / h > aspect else (h * aspect, h)
     return ((w - bw) / 2, (h - bh) / 2, bw, bh)
 
 
-def random_box(image_size, out_size, generator) -> tuple[float, float, float, float]:
-    x0, y0, bw, bh = letterbox_box(image_size, out_size)
+def random_box(task: str, image_size, out_size, generator) -> tuple[float, float, float, float]:
+    """The whole-image box, scaled and shifted at random."""
+    x0, y0, bw, bh = whole_image_box(task, image_size, out_size)
     scale = uniform(generator, *DENSE_SCALE)
     cx = x0 + bw / 2 + uniform(generator, -DENSE_SHIFT, DENSE_SHIFT) * bw * scale
     cy = y0 + bh / 2 + uniform(generator, -DENSE_SHIFT, DENSE_SHIFT) * bh * scale
@@ -198,6 +210,13 @@ def random_box(image_size, out_size, generator) -> tuple[float, float, float, fl
 def resample_box(maps: torch.Tensor, box, out_size, mode: str, fill: float = 0.0) -> torch.Tensor:
     """(C, H, W) float -> (C, *out_size): the box's content (pixel centres at +0.5, as a resize), `fill`
     outside the source. mode: "bilinear" (images) or "nearest" (labels, normals, points, as the original)."""
+    shrink_y, shrink_x = min(1.0, out_size[0] / box[3]), min(1.0, out_size[1] / box[2])
+    if mode == "bilinear" and min(shrink_x, shrink_y) < 1:  # an antialiased resize first, as predict.py's
+        h, w = maps.shape[-2:]
+        small = (max(1, round(h * shrink_y)), max(1, round(w * shrink_x)))
+        maps = processing.resize(maps.float(), small, "bilinear_antialias")
+        sy, sx = small[0] / h, small[1] / w
+        box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)  # edge coordinates scale exactly
     _, h, w = maps.shape
     x0, y0, bw, bh = box
     xs = x0 + (torch.arange(out_size[1], dtype=torch.float64) + 0.5) * bw / out_size[1]
@@ -278,10 +297,10 @@ class DenseDataset:
         image = processing.load_image(self.images[name]).float()
         image_size = tuple(image.shape[-2:])
         target, mask, K = self.read_target(name, image_size)
-        box = letterbox_box(image_size, self.size)
+        box = whole_image_box(self.task, image_size, self.size)
         flip = False
         if self.augment:
-            box = random_box(image_size, self.size, generator)
+            box = random_box(self.task, image_size, self.size, generator)
             flip = chance(generator, 0.5)
             image = color_jitter(image, generator)
         sample = {"pixel_values": processing.normalize(resample_box(image, box, self.size, "bilinear"))}
@@ -453,21 +472,10 @@ class PoseDataset:
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(person["file"]).float()
         keypoints = person["keypoints"].clone()  # (K, 3) image pixels + visibility
-        box = torch.tensor(person["bbox"])
-        angle, flip = 0.0, False
+        center, crop, angle, flip = self.crop_parameters(torch.tensor(person["bbox"]), keypoints, generator)
         if self.augment:
-            box = self.half_body(box, keypoints, generator)
             image = color_jitter(image, generator)
-        center, crop = processing.crop_geometry(box[None], self.size)
-        center, crop = center[0], crop[0]
-        if self.augment:
-            if chance(generator, POSE_SHIFT_PROB):
-                center = center + crop * torch.tensor([uniform(generator, -1, 1), uniform(generator, -1, 1)]) * POSE_SHIFT
-            crop = crop * uniform(generator, *POSE_SCALE)
-            if chance(generator, POSE_ROTATION_PROB):
-                angle = uniform(generator, -POSE_ROTATION, POSE_ROTATION)
-            flip = chance(generator, 0.5)
-        to_source = crop_affine(center, crop, angle, self.size)  # (2, 3): network pixel -> source pixel
+        to_source = crop_affine(center, crop, angle, self.size)  # (3, 3): network pixel -> source pixel
         pixels = warp(image, to_source, self.size, upscale=bool((crop <= torch.tensor(self.size[::-1]) - 1).all()))
         points = apply_affine(invert_affine(to_source), keypoints[:, :2])  # network pixels
         visible = keypoints[:, 2] > 0
@@ -482,6 +490,19 @@ class PoseDataset:
         return {"pixel_values": processing.normalize(pixels), "labels": heatmaps, "label_weights": weights,
                 "keypoints": truth, "to_source": to_source, "bbox": torch.tensor(person["bbox"]),
                 "area": torch.tensor(person["area"]), "flipped": torch.tensor(flip)}
+
+    def crop_parameters(self, box, keypoints, generator):
+        """(centre, crop size (w, h), rotation in degrees, flip) of the person's crop; augmented when training."""
+        if not self.augment:
+            center, crop = processing.crop_geometry(box[None], self.size)
+            return center[0], crop[0], 0.0, False
+        center, crop = processing.crop_geometry(self.half_body(box, keypoints, generator)[None], self.size)
+        center, crop = center[0], crop[0]
+        if chance(generator, POSE_SHIFT_PROB):
+            center = center + crop * torch.tensor([uniform(generator, -1, 1), uniform(generator, -1, 1)]) * POSE_SHIFT
+        crop = crop * uniform(generator, *POSE_SCALE)
+        angle = uniform(generator, -POSE_ROTATION, POSE_ROTATION) if chance(generator, POSE_ROTATION_PROB) else 0.0
+        return center, crop, angle, chance(generator, 0.5)
 
     def half_body(self, box, keypoints, generator):
         """The original's half-body augmentation, for any keypoint set: with probability 0.3 and enough

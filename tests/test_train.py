@@ -146,12 +146,16 @@ def test_overfit_each_task(task, backbone, tmp_path):
     args = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--batch-size", "4",
                                             "--workers", "0"])
     assert train.evaluate(model, val, args, info, dist_info)[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6)
-    torch.manual_seed(0)
-    fresh = heads.build_task_model(model.config, model.head_config)
-    fresh.backbone.load_state_dict(weights.load(backbone).state_dict())
+    start = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--model", str(backbone),
+                                             "--head", HEADS[task]])
+    fresh = train.build_model(start, info, log=lambda message: None)  # what training started from
     before = train.evaluate(fresh.eval(), val, args, info, dist_info)[name]
     assert sign * (final[name] - before) > 0, (before, final)
     assert isinstance(model, heads.TASK_MODELS[task]) and model.head_config.out_channels == info["out_channels"]
+    if task != "pose":  # the checkpoint runs in predict.py (pose: test_pose_17_keypoints_train_and_predict)
+        assert predict.main([task, str(data / "val" / "images" / "im0.png"), "-o", str(tmp_path / "pred"),
+                             "--model", str(out), "--save", "raw"]) == 0
+        assert len(list((tmp_path / "pred").glob("im0.*"))) >= 1
 
 
 def test_pose_17_keypoints_train_and_predict(backbone, tmp_path):
@@ -219,6 +223,8 @@ def test_resume_is_exact(backbone, tmp_path):
         assert train.main([str(a) for a in ["seg", "--data", data, "-o", out, "--model", backbone, "--head",
                                             HEADS["seg"], "--workers", 0, "--no-progress", *common, *extra]]) == 0
     assert json.loads((split / "train_state.json").read_text())["step"] == 10
+    assert train.main(["seg", "--data", str(data), "-o", str(split), "--resume", "--batch-size", "1",
+                       "--no-progress"]) == 2  # a global batch of 1 x 2, not 2 x 2
     assert train.main(["seg", "--data", str(data), "-o", str(split), "--resume", "--workers", "0", "--no-progress"]) == 0
     a, b = checkpoint_tensors(whole), checkpoint_tensors(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -233,6 +239,9 @@ def test_resume_refuses_changed_options(backbone, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["seg", "--data", str(data), "-o", str(out), "--resume", "--lr", "1"])
     assert "--lr cannot change" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a new run does not overwrite an old one
+        run_train("seg", data, out, backbone, "--steps", 1, "--batch-size", 2)
+    assert "already holds a training run: --resume continues it" in capsys.readouterr().err
 
 
 def torchrun(*args, processes=2):
@@ -243,21 +252,29 @@ def torchrun(*args, processes=2):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def one_process_run(backbone, tmp_path_factory):
+    """3 seg steps, global batch 4 on one process: what the 2-process runs must reproduce."""
+    root = tmp_path_factory.mktemp("one_process")
+    data = make_dataset("seg", root / "data")
+    common = ["seg", "--data", data, "--model", backbone, "--head", HEADS["seg"], "--workers", 0, "--no-progress",
+              "--steps", 3, "--warmup", 1, "--lr", "1e-3"]
+    assert train.main([str(a) for a in [*common, "-o", root / "one", "--batch-size", 4]]) == 0
+    return data, common, root / "one"
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_two_processes_equal_one(engine, backbone, tmp_path):
+def test_two_processes_equal_one(engine, one_process_run, tmp_path):
     """The same global batch (4) and seed on 1 process and on 2 (gloo): the same weights and optimizer state.
     The FSDP run also recomputes activations (--checkpoint-activations), which must not change the numbers,
     and stops after step 2 and resumes (the sharded optimizer state goes through the files)."""
-    data = make_dataset("seg", tmp_path / "data")
-    common = ["seg", "--data", data, "--model", backbone, "--head", HEADS["seg"], "--workers", 0, "--no-progress",
-              "--steps", 3, "--warmup", 1, "--lr", "1e-3"]
-    assert train.main([str(a) for a in [*common, "-o", tmp_path / "one", "--batch-size", 4]]) == 0
+    data, common, one_out = one_process_run
     if engine == "ddp":
         torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2)
     else:
         torchrun(*common, "-o", tmp_path / "two", "--batch-size", 2, "--fsdp", "--checkpoint-activations", "--stop-at", 2)
         torchrun("seg", "--data", data, "-o", tmp_path / "two", "--resume")
-    one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
+    one, two = checkpoint_tensors(one_out), checkpoint_tensors(tmp_path / "two")
     assert one.keys() == two.keys()
     # A conv bias right before an InstanceNorm has a zero gradient in exact arithmetic; Adam turns its rounding
     # noise into +-lr steps, different on 1 and 2 processes, and without effect on the output: not compared.
@@ -300,6 +317,27 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
         for x, y in (peaks[0][seen] * scale).round().long().tolist():
             assert pixels[:, max(y - 3, 0) : y + 4, max(x - 3, 0) : x + 4].amax() > 150  # the dot, jittered
     assert 0 < flips < len(SEEDS)
+
+
+@pytest.mark.parametrize("task", ["albedo", "seg"])
+def test_dense_inputs_match_predict_preprocessing(task, tmp_path):
+    """Without augmentation a dense sample's pixels are predict.py's (antialiased resize; padded to the
+    network's aspect for normal/pointmap/albedo, stretched for seg/matting), here for a photo twice the
+    network size and for one of another aspect."""
+    data = make_dataset(task, tmp_path / "data", count=1, h=128, w=96)
+    v, u = np.mgrid[0:70, 0:150]  # smooth: the two paddings may differ by a sub-pixel shift (predict.py rounds)
+    wide = np.stack([u * 1.6, v * 3.0, 255 - u * 1.6], -1).astype(np.uint8)
+    save_png(data / "train" / "images" / "wide.png", wide)
+    save_png(data / "train" / train_data.TARGET_FOLDERS[task] / "wide.png", wide if task == "albedo" else wide[..., 0] % 3)
+    info = train_data.dataset_info(task, data)
+    dataset = train_data.build_dataset(task, data, "train", SIZE, False, info)
+    for index, name in enumerate(dataset.names):
+        image = processing.load_image(dataset.images[name])
+        expected = processing.preprocess([image], SIZE, pad=task == "albedo").pixel_values[0]
+        sample = dataset[(index, 0)]
+        valid = sample["mask"][0] > 0 if task == "albedo" else torch.ones(SIZE, dtype=torch.bool)  # not the padding
+        torch.testing.assert_close(sample["pixel_values"][:, valid], expected[:, valid], atol=0.05, rtol=0, msg=name)  # edge rows: 22 vs 22.4
+        assert valid.float().mean() > (0.99 if name == "im0" or task == "seg" else 0.3)
 
 
 def dense_augmented(task, tmp_path, classes=None):
@@ -409,3 +447,37 @@ def test_bad_data_is_named(task, damage, message, backbone, tmp_path, capsys):
     if code == 0:  # problems inside a file surface when it is read: the first step
         pytest.fail(f"no error for {message}")
     assert code == 2 and __import__("re").search(message, err), err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
+def test_bf16_autocast_training_on_cuda(backbone, tmp_path):
+    """bf16 autocast by default on CUDA; the weights and the optimizer state stay fp32."""
+    data = make_dataset("seg", tmp_path / "data")
+    out = tmp_path / "run"
+    assert run_train("seg", data, out, backbone, "--steps", 5, "--device", "cuda", "--log-every", 1) == 0
+    assert all(np.isfinite(r["loss"]) for r in read_log(out) if "loss" in r)
+    assert {t.dtype for t in checkpoint_tensors(out).values() if t.is_floating_point()} == {torch.float32}
+
+
+def test_ctrl_c_saves_the_step_and_resume_continues(backbone, tmp_path):
+    """SIGINT: the step finishes, a checkpoint is written, exit 130; --resume goes on from there."""
+    import signal
+    import time
+
+    data = make_dataset("seg", tmp_path / "data", count=2)
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "train.py"), "seg", "--data", data, "-o", out, "--model", backbone, "--head",
+               HEADS["seg"], "--workers", 1, "--batch-size", 2, "--steps", 100000, "--log-every", 1, "--no-progress"]
+    process = subprocess.Popen([str(c) for c in command], stderr=subprocess.PIPE, text=True,
+                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not ((out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text()):
+        assert process.poll() is None and time.time() < deadline, process.stderr.read() if process.poll() else "slow"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, process.stderr.read()
+    step = json.loads((out / "train_state.json").read_text())["step"]
+    assert 1 <= step < 100000 and "stopped at step" in process.stderr.read()
+    assert train.main(["seg", "--data", str(data), "-o", str(out), "--resume", "--steps", str(step + 1),
+                       "--workers", "0", "--no-progress"]) == 0
+    assert json.loads((out / "train_state.json").read_text())["step"] == step + 1
