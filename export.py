@@ -241,8 +241,11 @@ def run_torch(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]
 
 def export_aoti(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
     program = export_program(wrapper, example, dynamic_batch)
+    # Inductor fuses elementwise chains and by default rounds a bf16 chain once at its end; the bf16 RoPE
+    # convention is the rounding after every op, which emulate_precision_casts keeps.
     with torch.no_grad():
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                 inductor_configs={"emulate_precision_casts": True})
 
 
 def run_aoti(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
