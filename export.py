@@ -1,6 +1,7 @@
 """Export a Sapiens2 model as a deployable artifact, and check it against eager PyTorch before keeping it.
 
-    python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16] [--dynamic-batch]
+    python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16]
+                     [--dynamic-batch]
     python export.py features --model 1b --format torch-export -o backbone-1b.pt2
 
 The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `processing.preprocess` makes it (any
@@ -286,7 +287,8 @@ def compare(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
 
 def check_output_path(path: Path, fmt: str):
     if path.suffix != FORMATS[fmt]:
-        raise UsageError(f"-o {path}: a {fmt} file should end in {FORMATS[fmt]}, e.g. -o {path.with_suffix(FORMATS[fmt])}")
+        suffix = FORMATS[fmt]
+        raise UsageError(f"-o {path}: a {fmt} file should end in {suffix}, e.g. -o {path.with_suffix(suffix)}")
     if path.is_dir():
         raise UsageError(f"-o {path} is a folder; give a file name, e.g. -o {path / ('model' + FORMATS[fmt])}")
     existing = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents) if p.exists())
@@ -329,14 +331,16 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="export.py", description="Export a Sapiens2 model (ONNX, torch.export, AOTInductor), checked against eager.")
+        prog="export.py",
+        description="Export a Sapiens2 model (ONNX, torch.export, AOTInductor), checked against eager PyTorch.")
     parser.add_argument("task", choices=TASKS)
     parser.add_argument("--model", metavar="SOURCE",
                         help="a size (0.4b: the task's released checkpoint; the default, 1b for matting), a task "
                              "preset (seg-1b), a .safetensors file, a folder or a hub id")
     parser.add_argument("--format", choices=list(FORMATS), default="onnx")
     parser.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="NAME.onnx or NAME.pt2")
-    parser.add_argument("--size", type=parse_size, metavar="HxW", help="fixed input size (default: the model's, 1024x768)")
+    parser.add_argument("--size", type=parse_size, metavar="HxW",
+                        help="fixed input size (default: the model's, 1024x768)")
     parser.add_argument("--dtype", choices=["fp32", "float32", "fp16", "float16", "bf16", "bfloat16"], default="fp32",
                         help="weights and compute (the input stays float32); ONNX: fp32 or fp16")
     parser.add_argument("--dynamic-batch", action="store_true", help="a dynamic batch axis (default: batch 1)")

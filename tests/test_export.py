@@ -78,7 +78,8 @@ def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, caps
     assert run_export(task, "--model", checkpoints[task], "-o", path, "--dynamic-batch") == 0
     assert "max relative difference vs eager" in capsys.readouterr().out
     assert leftovers(tmp_path) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] + ([f"{path.name}.data"] if task == "albedo" else [])
+    weights_file = [f"{path.name}.data"] if task == "albedo" else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] + weights_file
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == list(export.OUTPUTS[task])
     info = json.loads({p.key: p.value for p in onnx.load(str(path)).metadata_props}["sapiens2"])
@@ -104,7 +105,8 @@ def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, caps
 @pytest.mark.parametrize("task", export.TASKS)
 def test_torch_export_round_trip_equals_eager(task, checkpoints, tmp_path):
     path = tmp_path / f"{task}.pt2"
-    assert run_export(task, "--model", checkpoints[task], "-o", path, "--format", "torch-export", "--dynamic-batch") == 0
+    argv = ["--format", "torch-export", "--dynamic-batch"]
+    assert run_export(task, "--model", checkpoints[task], "-o", path, *argv) == 0
     assert leftovers(tmp_path) == []
     program = torch.export.load(str(path)).module()
     for batch in (1, 3):
@@ -134,7 +136,8 @@ def test_features_from_a_task_checkpoint(checkpoints, tmp_path):
 
 def test_onnx_fp16_fixed_size_by_default_and_size_option(checkpoints, tmp_path, capsys):
     path = tmp_path / "features16.onnx"
-    assert run_export("features", "--model", checkpoints["features"], "-o", path, "--size", "32x64", "--dtype", "fp16") == 0
+    argv = ["--size", "32x64", "--dtype", "fp16"]
+    assert run_export("features", "--model", checkpoints["features"], "-o", path, *argv) == 0
     out = capsys.readouterr().out
     assert "(float16, tolerance 1e-02)" in out
     assert all(float(out.split(f"{name} ")[1].split()[0].rstrip(",")) < 1e-2 for name in ("cls", "features"))
@@ -194,7 +197,8 @@ def test_onnx_cast_rounds_to_nearest_even_like_torch():
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BFLOAT16), helper.make_node("Cast", ["b"], ["y"], to=TensorProto.FLOAT)],
+        [helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BFLOAT16),
+         helper.make_node("Cast", ["b"], ["y"], to=TensorProto.FLOAT)],
         "round_trip", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", export.ONNX_OPSET)])
