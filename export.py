@@ -1,6 +1,7 @@
 """Export a Sapiens2 model as a deployable artifact, and check it against eager PyTorch before keeping it.
 
-    python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16] [--dynamic-batch]
+    python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16]
+                     [--dynamic-batch]
     python export.py features --model 1b --format torch-export -o backbone-1b.pt2
 
 The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `processing.preprocess` makes it (any
@@ -25,7 +26,8 @@ Numerics
     are exact in fp32), so the rounding after every step is kept.
   * After writing, the artifact runs once on a random input (batch 2 with --dynamic-batch, else 1) next to the
     eager model (same dtype, same kernels); the max relative difference max|a - e| / max|e| of each output is
-    printed, and above TOLERANCE[dtype] the file is removed and the exit status is 1.
+    printed, and above `tolerance(dtype, rope)` (fp32 1e-4, fp16 2e-2, bf16 5e-2; 2e-3 for an fp32 model with
+    bf16 RoPE, whose own rounding noise is ~3e-4) the file is removed and the exit status is 1.
 Files are written to a temporary folder beside the output and moved into place only after the check passes.
 Exit status: 0 written and checked, 1 the check failed (nothing written), 2 bad arguments or missing packages.
 """
@@ -62,12 +64,23 @@ FORMATS = {"onnx": ".onnx", "torch-export": ".pt2", "aoti": ".pt2"}
 # The dynamo exporter's default and the lowest opset it emits natively. Every op of these models exists there;
 # the fused ops of newer opsets (RMSNormalization, Attention: opset 23) stay out, so older runtimes parse it.
 ONNX_OPSET = 18
-# Max relative difference artifact vs eager (max |a - e| / max |e|, per output). fp32: ONNX Runtime's kernels
-# sum in another order than PyTorch's (measured 5e-7 to 3e-6). fp16/bf16: the artifact may keep intermediates
-# in fp32 where eager rounds them (ONNX Runtime's CPU provider computes fp16 ops in fp32), so the bound is a
-# few units of the dtype's rounding (eps 1e-3 and 8e-3); measured on the tiny test models: fp16 6e-4 to 2e-3,
-# bf16 1.2e-2 (tests/test_export.py). Not measured on full-size models in reduced precision yet.
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+# Max relative difference artifact vs eager (max |a - e| / max |e|, per output), by model dtype.
+#   fp32: ONNX Runtime's kernels sum in another order than PyTorch's: 1e-6 .. 4e-6 with fp32 RoPE (random 0.1b
+#     and 0.4b at 128x96) and on the tiny test models.
+#   fp16/bf16: the artifact may keep intermediates in fp32 where eager rounds them (ONNX Runtime's CPU provider
+#     computes fp16 ops in fp32): fp16 ONNX 7.0e-3 / 7.4e-3 (random 0.1b / 0.4b backbones, 128x96), so 2e-2;
+#     torch.export and AOTInductor reproduce eager (0 at 0.1b/0.4b), bf16 is 5e-2 (eps 8e-3).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+# bf16 RoPE rounds q and k to bf16 in every block, so a last-bit fp32 difference before it becomes a 1-ulp bf16
+# flip (4e-3 relative) after it: eager itself moves by 2.9e-4 when a random 0.1b backbone's input moves by 1e-7,
+# and ONNX fp32 differs by 2.9e-4 / 2.5e-4 (random 0.1b / 0.4b). No runtime that sums in another order can get
+# under 1e-4 there; 2e-3 is the project's bound for bf16 RoPE across implementations (tests/test_heads.py).
+# Switching to fp32 RoPE moves those outputs by 1.9e-2, so the bound still tells the conventions apart.
+BF16_ROPE_TOLERANCE = 2e-3
+
+
+def tolerance(dtype: torch.dtype, rope_dtype: str) -> float:
+    return max(TOLERANCE[dtype], BF16_ROPE_TOLERANCE) if rope_dtype == "bfloat16" else TOLERANCE[dtype]
 ONNX_PACKAGES = "pip install onnx onnxscript onnxruntime"
 
 
@@ -241,8 +254,11 @@ def run_torch(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]
 
 def export_aoti(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
     program = export_program(wrapper, example, dynamic_batch)
+    # Inductor fuses elementwise chains and by default rounds a bf16 chain once at its end; the bf16 RoPE
+    # convention is the rounding after every op, which emulate_precision_casts keeps.
     with torch.no_grad():
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                 inductor_configs={"emulate_precision_casts": True})
 
 
 def run_aoti(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -283,7 +299,8 @@ def compare(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
 
 def check_output_path(path: Path, fmt: str):
     if path.suffix != FORMATS[fmt]:
-        raise UsageError(f"-o {path}: a {fmt} file should end in {FORMATS[fmt]}, e.g. -o {path.with_suffix(FORMATS[fmt])}")
+        suffix = FORMATS[fmt]
+        raise UsageError(f"-o {path}: a {fmt} file should end in {suffix}, e.g. -o {path.with_suffix(suffix)}")
     if path.is_dir():
         raise UsageError(f"-o {path} is a folder; give a file name, e.g. -o {path / ('model' + FORMATS[fmt])}")
     existing = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents) if p.exists())
@@ -326,14 +343,16 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="export.py", description="Export a Sapiens2 model (ONNX, torch.export, AOTInductor), checked against eager.")
+        prog="export.py",
+        description="Export a Sapiens2 model (ONNX, torch.export, AOTInductor), checked against eager PyTorch.")
     parser.add_argument("task", choices=TASKS)
     parser.add_argument("--model", metavar="SOURCE",
                         help="a size (0.4b: the task's released checkpoint; the default, 1b for matting), a task "
                              "preset (seg-1b), a .safetensors file, a folder or a hub id")
     parser.add_argument("--format", choices=list(FORMATS), default="onnx")
     parser.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="NAME.onnx or NAME.pt2")
-    parser.add_argument("--size", type=parse_size, metavar="HxW", help="fixed input size (default: the model's, 1024x768)")
+    parser.add_argument("--size", type=parse_size, metavar="HxW",
+                        help="fixed input size (default: the model's, 1024x768)")
     parser.add_argument("--dtype", choices=["fp32", "float32", "fp16", "float16", "bf16", "bfloat16"], default="fp32",
                         help="weights and compute (the input stays float32); ONNX: fp32 or fp16")
     parser.add_argument("--dynamic-batch", action="store_true", help="a dynamic batch axis (default: batch 1)")
@@ -378,11 +397,11 @@ def export(args) -> dict[str, float]:
               file=sys.stderr)
         write(wrapper, example, staging / path.name, args.dynamic_batch, info)
         differences = compare(run(staging / path.name, example), expected)
-        tolerance = TOLERANCE[dtype]
+        bound = tolerance(dtype, args.rope)
         summary = ", ".join(f"{name} {d:.2e}" for name, d in differences.items())
-        print(f"max relative difference vs eager ({info['dtype']}, tolerance {tolerance:.0e}): {summary}")
-        if not all(d <= tolerance for d in differences.values()):  # (NaN fails too)
-            raise CheckFailed(f"the {args.format} artifact differs from eager by more than {tolerance:.0e}: "
+        print(f"max relative difference vs eager ({info['dtype']}, RoPE {args.rope}, tolerance {bound:.0e}): {summary}")
+        if not all(d <= bound for d in differences.values()):  # (NaN fails too)
+            raise CheckFailed(f"the {args.format} artifact differs from eager by more than {bound:.0e}: "
                               f"{path} not written")
     print(f"wrote {path}", file=sys.stderr)
     return differences

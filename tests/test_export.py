@@ -2,17 +2,22 @@
 with eager PyTorch; bf16 RoPE kept exactly through ONNX; the failure paths (tolerance exceeded, missing
 packages, bad arguments) leave nothing behind.
 
-Tolerances (max |artifact - eager| / max |eager|): ONNX fp32 1e-4 (export.TOLERANCE; measured ~1e-7),
+Tolerances (max |artifact - eager| / max |eager|): ONNX fp32 1e-4 (export.TOLERANCE; measured 5e-7 to 3.4e-6),
 ONNX fp16 1e-2 (ONNX Runtime's CPU provider computes fp16 ops in fp32, eager rounds each op to fp16);
-torch.export: equal to eager, bit for bit (the same ATen kernels).
+torch.export fp32: equal to eager, bit for bit (the same ATen kernels); bf16: export.tolerance. The export's own
+check bounds are export.tolerance (looser with bf16 RoPE); the tiny models are held to the tighter values above.
+onnx, onnxscript and onnxruntime come from requirements-test.txt.
 """
 
 import json
 import os
 import sys
 
+import onnx
+import onnxruntime
 import pytest
 import torch
+from torch.onnx._internal.exporter import _onnx_program as onnx_program_module
 
 import export
 import heads
@@ -21,19 +26,14 @@ import weights
 from conftest import rel_err
 from sapiens2 import Sapiens2, Sapiens2Config, rope_tables_bf16
 
-onnx = pytest.importorskip("onnx")
-onnxruntime = pytest.importorskip("onnxruntime")
-pytest.importorskip("onnxscript")
-
-from torch.onnx._internal.exporter import _onnx_program as onnx_program_module  # noqa: E402
 
 SIZE = (64, 48)
 POINTMAP_SIZE = (128, 96)  # the scale branch's two stride-2 convs need a grid that keeps 2x2 pixels
 
 
-def tiny_model(task: str, rope: str = "bfloat16"):
+def tiny_model(task: str):
     size = POINTMAP_SIZE if task == "pointmap" else SIZE
-    config = Sapiens2Config(32, 3, 2, full_attention_first=1, full_attention_last=1, image_size=size, rope_dtype=rope)
+    config = Sapiens2Config(32, 3, 2, full_attention_first=1, full_attention_last=1, image_size=size)
     if task == "features":
         model = Sapiens2(config)
     else:
@@ -74,12 +74,13 @@ def leftovers(folder):
 @pytest.mark.parametrize("task", export.TASKS)
 def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, capsys, monkeypatch):
     path = tmp_path / f"{task}.onnx"
-    if task == "albedo":  # weights beside the graph (NAME.onnx.data), as for models over 2 GB
+    if task == "albedo":  # weights beside the graph (NAME.onnx.data), as for models over 1.5 GB
         monkeypatch.setattr(onnx_program_module, "_LARGE_MODEL_THRESHOLD", 0)
     assert run_export(task, "--model", checkpoints[task], "-o", path, "--dynamic-batch") == 0
     assert "max relative difference vs eager" in capsys.readouterr().out
     assert leftovers(tmp_path) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] + ([f"{path.name}.data"] if task == "albedo" else [])
+    weights_file = [f"{path.name}.data"] if task == "albedo" else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] + weights_file
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == list(export.OUTPUTS[task])
     info = json.loads({p.key: p.value for p in onnx.load(str(path)).metadata_props}["sapiens2"])
@@ -105,7 +106,8 @@ def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, caps
 @pytest.mark.parametrize("task", export.TASKS)
 def test_torch_export_round_trip_equals_eager(task, checkpoints, tmp_path):
     path = tmp_path / f"{task}.pt2"
-    assert run_export(task, "--model", checkpoints[task], "-o", path, "--format", "torch-export", "--dynamic-batch") == 0
+    argv = ["--format", "torch-export", "--dynamic-batch"]
+    assert run_export(task, "--model", checkpoints[task], "-o", path, *argv) == 0
     assert leftovers(tmp_path) == []
     program = torch.export.load(str(path)).module()
     for batch in (1, 3):
@@ -123,19 +125,24 @@ def test_features_from_a_task_checkpoint(checkpoints, tmp_path):
     path = tmp_path / "backbone.pt2"
     assert run_export("features", "--model", checkpoints["seg"], "-o", path, "--format", "torch-export") == 0
     pixels = pixels_for("seg", 1)
+    extra = {"sapiens2.json": ""}
     with torch.no_grad():
-        got = torch.export.load(str(path)).module()(pixels)
+        got = torch.export.load(str(path), extra_files=extra).module()(pixels)
         want = weights.load(checkpoints["seg"]).backbone(pixels)
+    info = json.loads(extra["sapiens2.json"])
+    assert info["task"] == "features" and info["head_config"] is None and info["outputs"] == ["cls", "features"]
     assert list(got) == ["cls", "features"]
     assert torch.equal(got["cls"], want.cls) and torch.equal(got["features"], want.features)
 
 
 def test_onnx_fp16_fixed_size_by_default_and_size_option(checkpoints, tmp_path, capsys):
     path = tmp_path / "features16.onnx"
-    assert run_export("features", "--model", checkpoints["features"], "-o", path, "--size", "32x64", "--dtype", "fp16") == 0
+    argv = ["--size", "32x64", "--dtype", "fp16"]
+    assert run_export("features", "--model", checkpoints["features"], "-o", path, *argv) == 0
     out = capsys.readouterr().out
-    assert "(float16, tolerance 1e-02)" in out
-    assert all(float(out.split(f"{name} ")[1].split()[0].rstrip(",")) < 1e-2 for name in ("cls", "features"))
+    assert "(float16, RoPE bfloat16, tolerance 2e-02)" in out
+    measured = [float(out.split(f"{name} ")[1].split()[0].rstrip(",")) for name in ("cls", "features")]
+    assert max(measured) < 1e-2  # (measured 6e-4; the export's own bound is 2e-2)
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape == [1, 3, 32, 64]  # fixed: batch 1 and the --size
     assert session.get_inputs()[0].type == "tensor(float)"  # the input stays float32; the cast is inside
@@ -163,7 +170,7 @@ def test_torch_export_bf16_within_its_tolerance(checkpoints, tmp_path):
     want = eager("normal", checkpoints["normal"], pixels, dtype=torch.bfloat16)["normals"]
     err = rel_err(got, want)
     print(f"normal bf16 torch.export vs eager: {err:.2e}")
-    assert got.dtype == torch.bfloat16 and err < export.TOLERANCE[torch.bfloat16]
+    assert got.dtype == torch.bfloat16 and err < export.tolerance(torch.bfloat16, "bfloat16")
 
 
 def test_bf16_rope_is_bit_exact_in_onnx(tmp_path):
@@ -192,7 +199,8 @@ def test_onnx_cast_rounds_to_nearest_even_like_torch():
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BFLOAT16), helper.make_node("Cast", ["b"], ["y"], to=TensorProto.FLOAT)],
+        [helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BFLOAT16),
+         helper.make_node("Cast", ["b"], ["y"], to=TensorProto.FLOAT)],
         "round_trip", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", export.ONNX_OPSET)])
@@ -205,19 +213,21 @@ def test_onnx_cast_rounds_to_nearest_even_like_torch():
     assert torch.equal(y, x.bfloat16().float())
 
 
-def test_check_failure_exits_1_and_keeps_nothing(checkpoints, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("rope, drift, bound", [("float32", 2e-4, "1e-04"), ("bfloat16", 3e-3, "2e-03")])
+def test_check_failure_exits_1_and_keeps_nothing(rope, drift, bound, checkpoints, tmp_path, monkeypatch, capsys):
     path = tmp_path / "seg.pt2"
     path.write_bytes(b"an earlier export")
     write, run = export.WRITERS["torch-export"]
 
     def drifting_run(artifact, pixels):
         outputs = run(artifact, pixels)
-        return {name: t + 1e-3 * t.abs().max() for name, t in outputs.items()}
+        return {name: t + drift * t.abs().max() for name, t in outputs.items()}
 
     monkeypatch.setitem(export.WRITERS, "torch-export", (write, drifting_run))
-    assert run_export("seg", "--model", checkpoints["seg"], "-o", path, "--format", "torch-export") == 1
+    argv = ["--format", "torch-export", "--rope", rope]
+    assert run_export("seg", "--model", checkpoints["seg"], "-o", path, *argv) == 1
     err = capsys.readouterr().err
-    assert "differs from eager by more than 1e-04" in err and "not written" in err
+    assert f"differs from eager by more than {bound}" in err and "not written" in err
     assert path.read_bytes() == b"an earlier export"  # untouched: only a checked file replaces it
     assert leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["seg.pt2"]
 
