@@ -36,7 +36,8 @@ def _attention_triton(q, k, v, scale):
 
 def _race(q, k, v, scale):
     """(case key, run Triton, run the reference) on these inputs, for dispatch.faster: the forward alone
-    for inference, forward + backward when the call will train."""
+    for inference, forward + backward when the call will train. Nothing is allocated unless the case is
+    timed (the runners build their inputs on first use; ones as the output gradient: no RNG is consumed)."""
     key = case_key("attention", q, k, v)
     if key.endswith("|infer"):
         def timed(fn):
@@ -45,11 +46,19 @@ def _race(q, k, v, scale):
                     fn(q, k, v, scale)
             return run
     else:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        grad_out = torch.randn_like(q)
+        state = {}
+
+        def training_inputs():
+            if not state:
+                state["leaves"] = [t.detach().requires_grad_() for t in (q, k, v)]
+                state["grad_out"] = torch.ones_like(q)
+            return state["leaves"], state["grad_out"]
 
         def timed(fn):
-            return lambda: torch.autograd.grad(fn(*leaves, scale), leaves, grad_out)
+            def run():
+                leaves, grad_out = training_inputs()
+                torch.autograd.grad(fn(*leaves, scale), leaves, grad_out)
+            return run
     return key, timed(_attention_triton), timed(attention_reference)
 
 

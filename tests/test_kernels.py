@@ -540,6 +540,13 @@ def test_auto_attention_follows_the_timing(fresh_dispatch, monkeypatch):
     assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous()
     keys = sorted(dispatch.decisions())
     assert [key.rsplit("|", 1)[1] for key in keys] == ["infer", "train"]
+    # the runners the timer gets really run both implementations (inference, and training with a backward)
+    ran = []
+    monkeypatch.setattr(dispatch, "time_ms", lambda fn: (fn(), ran.append(1), 1.0)[-1])
+    q2, k2, v2 = (t[:, :, :17] for t in (q, k, v))  # a new case
+    kernels.attention(q2, k2, v2)
+    kernels.attention(*(t.clone().requires_grad_() for t in (q2, k2, v2)))
+    assert len(ran) == 4 and len(dispatch.decisions()) == 4
     monkeypatch.setenv("SAPIENS2_KERNELS", "triton")  # forced: no timing, triton
     assert kernels.attention(q, k, v).transpose(1, 2).is_contiguous()
 
