@@ -465,7 +465,6 @@ def test_bf16_autocast_training_on_cuda(backbone, tmp_path):
 
 def test_ctrl_c_saves_the_step_and_resume_continues(backbone, tmp_path):
     """SIGINT: the step finishes, a checkpoint is written, exit 130; --resume goes on from there."""
-
     data = make_dataset("seg", tmp_path / "data", count=2)
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), "seg", "--data", data, "-o", out, "--model", backbone, "--head",
