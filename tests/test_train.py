@@ -3,8 +3,12 @@ loss down and metric up when overfitting, checkpoints that weights.load and pred
 1 process == 2 processes (gloo), augmentations that transform the targets with the image."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -248,7 +252,7 @@ def torchrun(*args, processes=2):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", processes,
                str(ROOT / "train.py"), *args]
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=300,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -446,7 +450,7 @@ def test_bad_data_is_named(task, damage, message, backbone, tmp_path, capsys):
     err = capsys.readouterr().err
     if code == 0:  # problems inside a file surface when it is read: the first step
         pytest.fail(f"no error for {message}")
-    assert code == 2 and __import__("re").search(message, err), err
+    assert code == 2 and re.search(message, err), err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
@@ -461,15 +465,12 @@ def test_bf16_autocast_training_on_cuda(backbone, tmp_path):
 
 def test_ctrl_c_saves_the_step_and_resume_continues(backbone, tmp_path):
     """SIGINT: the step finishes, a checkpoint is written, exit 130; --resume goes on from there."""
-    import signal
-    import time
-
     data = make_dataset("seg", tmp_path / "data", count=2)
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), "seg", "--data", data, "-o", out, "--model", backbone, "--head",
                HEADS["seg"], "--workers", 1, "--batch-size", 2, "--steps", 100000, "--log-every", 1, "--no-progress"]
     process = subprocess.Popen([str(c) for c in command], stderr=subprocess.PIPE, text=True,
-                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
     while not ((out / "log.jsonl").exists() and '"loss"' in (out / "log.jsonl").read_text()):
         assert process.poll() is None and time.time() < deadline, process.stderr.read() if process.poll() else "slow"
