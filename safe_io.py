@@ -29,6 +29,22 @@ REPEATING_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
 FOLDER_WRITE_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM}  # may concern one folder (or file) only
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc), else set-and-restore."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = current_umask()
+
+
 def atomic_write(path: Path, value):
     """Write to a temporary file beside `path` and rename it, so an interrupted run never leaves a half-written
     output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
@@ -41,6 +57,7 @@ def atomic_write(path: Path, value):
         with open(temp, "xb"):  # exclusive: fails rather than share a name
             pass
         write_value(temp, value, path.suffix)
+        os.chmod(temp, 0o666 & ~UMASK)  # safetensors writes its files 0600: every output gets the usual mode
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # a read-only file system refuses even that; the write error matters

@@ -692,3 +692,11 @@ def test_a_name_near_the_length_limit_still_gets_a_temporary(tmp_path):
     target = tmp_path / ("é" * 120 + ".seg.png")  # 248 bytes: the output fits, a longer temporary would not
     safe_io.atomic_write(target, b"ok")
     assert target.read_bytes() == b"ok" and no_partials(tmp_path)
+
+
+def test_outputs_get_the_usual_file_mode(tmp_path):
+    tensors = ({"x": torch.zeros(2)}, {"image": "a.jpg"})
+    safe_io.atomic_write(tmp_path / "a.features.safetensors", tensors)  # safetensors alone writes 0600
+    safe_io.atomic_write(tmp_path / "a.pose.json", {"a": 1})
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"a.features.safetensors": 0o666 & ~safe_io.UMASK, "a.pose.json": 0o666 & ~safe_io.UMASK}
