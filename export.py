@@ -9,7 +9,7 @@ The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `proce
 (processing.py); the README shows the lines for an ONNX model.
 
 Formats
-  onnx          torch.onnx.export(dynamo=True) at opset 18 (ONNX Runtime >= 1.14, TensorRT 10); needs onnx,
+  onnx          torch.onnx.export(dynamo=True) at opset 18 (ONNX Runtime >= 1.14; TensorRT 10, untried); needs onnx,
                 onnxscript and onnxruntime (export-time dependencies, not runtime ones). Models over 1.5 GB keep
                 their weights beside the graph in NAME.onnx.data.
   torch-export  a torch.export program, torch.export.save (load with torch.export.load(path).module()).
