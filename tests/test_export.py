@@ -275,6 +275,12 @@ def test_bad_arguments_exit_2_with_a_clear_message(argv, message, checkpoints, t
     assert not (tmp_path / "out").exists()
 
 
+def test_unwritable_output_exit_2(checkpoints, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(export.os, "access", lambda path, mode: False)  # (as root, chmod would not stop us)
+    assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx") == 2
+    assert "not writable" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
 def test_malformed_size_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         export.main(["seg", "-o", "x.onnx", "--size", "1024by768"])
