@@ -1,7 +1,9 @@
 """Triton implementation of qk_norm_rope: per-head RMSNorm of q and k, then rotate-half RoPE of the patches.
 
 Imported lazily by kernels/qk_norm_rope.py (never at `import kernels` time). The definition is
-`qk_norm_rope_reference`; this file computes the same function in one launch for q and k.
+`qk_norm_rope_reference`; this file computes the same function in one launch for q and k. Each program
+takes one block of tokens of one image and a group of HEADS_PER_PROGRAM heads (q heads, then k heads): it
+loads the block's cos/sin once and loops over its heads.
 
 Forward, per head vector x of length D (the reference's op order and roundings, see below):
 
