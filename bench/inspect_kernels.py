@@ -338,6 +338,8 @@ def main(argv=None):
     ap.add_argument("--first-config", action="store_true", help="only the first autotune configuration")
     ap.add_argument("--blocks", default=None, help="comma-separated block kinds: mha, gqa2 (default: all)")
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        ap.error("TRITON_INTERPRET is set: interpreted kernels cannot be compiled; unset it")
     presets = [p for p in args.presets.split(",") if p]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:

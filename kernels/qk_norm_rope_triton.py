@@ -1,7 +1,9 @@
 """Triton implementation of qk_norm_rope: per-head RMSNorm of q and k, then rotate-half RoPE of the patches.
 
 Imported lazily by kernels/qk_norm_rope.py (never at `import kernels` time). The definition is
-`qk_norm_rope_reference`; this file computes the same function in one launch for q and k.
+`qk_norm_rope_reference`; this file computes the same function in one launch for q and k. Each program
+takes one block of tokens of one image and a group of HEADS_PER_PROGRAM heads (q heads, then k heads): it
+loads the block's cos/sin once and loops over its heads.
 
 Forward, per head vector x of length D (the reference's op order and roundings, see below):
 
@@ -65,18 +67,37 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _load_tables(cos_ptr, sin_ptr, n_start, N, P, scn, scd, ssn, ssd,
+                 HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr):
+    """The halves of cos/sin for BLOCK_N tokens, fp32, (BLOCK_N, BLOCK_H) each: loaded once per program and
+    shared by all its heads. Prefix tokens (and tokens >= N) get cos = 1, sin = 0; is_patch marks the rest."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_H)
+    p = offs_n - (N - P)  # position in the tables; negative for the prefix tokens
+    is_patch = (offs_n < N) & (p >= 0)
+    tmask = is_patch[:, None] & (offs_d < HALF)[None, :]
+    c_rows = cos_ptr + tl.multiple_of(p * scn, X_ALIGN)[:, None]
+    s_rows = sin_ptr + tl.multiple_of(p * ssn, X_ALIGN)[:, None]
+    c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
+    c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
+    s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_rows + (offs_d[None, :] + HALF) * ssd, mask=tmask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2, is_patch
+
+
+@triton.jit
 def _norm_rope_fwd_tile(
     x_ptr, o_ptr,  # one (B, H, N, D) input of any strides, and its output
     w_ptr,  # (D,) RMSNorm weight of this tensor
-    cos_ptr, sin_ptr,  # (P, D) RoPE tables; their dtype is the rotation dtype
-    b, h, n_start, N, P, eps,
+    cos_ptr,  # the (P, D) cos table: its dtype is the rotation dtype
+    c1, c2, s1, s2, is_patch,  # this token block's tables (_load_tables)
+    b, h, n_start, N, eps,
     sxb, sxh, sxn, sxd,  # x strides
     sob, soh, son, sod,  # o strides
-    scn, scd, ssn, ssd,  # cos, sin strides
     HALF: tl.constexpr,  # D / 2
     BLOCK_N: tl.constexpr,  # tokens per program
     BLOCK_H: tl.constexpr,  # next power of two >= HALF
-    X_ALIGN: tl.constexpr,  # a power of two (<= 16) dividing the batch/head strides of x and the table rows
+    X_ALIGN: tl.constexpr,  # a power of two (<= 16) dividing the batch/head strides of x
 ):
     in_dtype = x_ptr.dtype.element_ty
     rope_dtype = cos_ptr.dtype.element_ty  # the reference rotates in cos.dtype
@@ -101,15 +122,6 @@ def _norm_rope_fwd_tile(
     y2 = _round(_round((x2 * r[:, None]) * w2[None, :], in_dtype), rope_dtype)
 
     # RoPE of the patch tokens (index >= N - P), each op rounded to the rotation dtype.
-    p = offs_n - (N - P)  # position in the tables; negative for the prefix tokens
-    is_patch = mask_n & (p >= 0)
-    tmask = is_patch[:, None] & mask_d[None, :]
-    c_rows = cos_ptr + tl.multiple_of(p * scn, X_ALIGN)[:, None]
-    s_rows = sin_ptr + tl.multiple_of(p * ssn, X_ALIGN)[:, None]
-    c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
-    c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
-    s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_rows + (offs_d[None, :] + HALF) * ssd, mask=tmask, other=0.0).to(tl.float32)
     o1 = _round(_round(y1 * c1, rope_dtype) - _round(y2 * s1, rope_dtype), rope_dtype)
     o2 = _round(_round(y2 * c2, rope_dtype) + _round(y1 * s2, rope_dtype), rope_dtype)
     # Back to the input dtype (the reference's final `.to(x.dtype)`), rounded to nearest even.
@@ -131,31 +143,35 @@ def _qk_norm_rope_fwd_kernel(
     soqb, soqh, soqn, soqd, sokb, sokh, sokn, sokd,  # output strides
     scn, scd, ssn, ssd,  # cos, sin strides
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
 ):
-    """Flat grid of cdiv(N, BLOCK_N) * B * (Hq + Hkv) programs (grid_triton.py): head h < Hq of image b is
-    q head h, the others k head h - Hq."""
-    tile, b, h = program_coords(tl.cdiv(N, BLOCK_N), HQ + HKV)
+    """Flat grid of cdiv(N, BLOCK_N) * B * cdiv(Hq + Hkv, HEADS_PER_PROGRAM) programs (grid_triton.py). A
+    program loads its token block's tables once and does HEADS_PER_PROGRAM heads with them: head h < Hq of
+    image b is q head h, the others k head h - Hq (heads past Hq + Hkv in the last group are skipped)."""
+    tile, b, group = program_coords(tl.cdiv(N, BLOCK_N), tl.cdiv(HQ + HKV, HEADS_PER_PROGRAM))
     n_start = tile * BLOCK_N
-    if h < HQ:
-        _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, sin_ptr, b, h, n_start, N, P, eps,
-                            sqb, sqh, sqn, sqd, soqb, soqh, soqn, soqd, scn, scd, ssn, ssd,
-                            HALF, BLOCK_N, BLOCK_H, X_ALIGN)
-    else:
-        _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, sin_ptr, b, h - HQ, n_start, N, P, eps,
-                            skb, skh, skn, skd, sokb, sokh, sokn, sokd, scn, scd, ssn, ssd,
-                            HALF, BLOCK_N, BLOCK_H, X_ALIGN)
+    c1, c2, s1, s2, is_patch = _load_tables(cos_ptr, sin_ptr, n_start, N, P, scn, scd, ssn, ssd,
+                                            HALF, BLOCK_N, BLOCK_H, X_ALIGN)
+    for i in range(HEADS_PER_PROGRAM):  # a loop, not unrolled: registers and compile time stay those of one head
+        h = group * HEADS_PER_PROGRAM + i
+        if h < HQ:
+            _norm_rope_fwd_tile(q_ptr, oq_ptr, wq_ptr, cos_ptr, c1, c2, s1, s2, is_patch, b, h, n_start, N, eps,
+                                sqb, sqh, sqn, sqd, soqb, soqh, soqn, soqd, HALF, BLOCK_N, BLOCK_H, X_ALIGN)
+        elif h < HQ + HKV:
+            _norm_rope_fwd_tile(k_ptr, ok_ptr, wk_ptr, cos_ptr, c1, c2, s1, s2, is_patch, b, h - HQ, n_start,
+                                N, eps, skb, skh, skn, skd, sokb, sokh, sokn, sokd, HALF, BLOCK_N, BLOCK_H,
+                                X_ALIGN)
 
 
 @triton.jit
 def _norm_rope_bwd_tile(
     x_ptr, do_ptr, dx_ptr,  # input, output gradient, input gradient: (B, H, N, D), any strides
-    w_ptr, dw_part_ptr,  # (D,) weight; this program's row of the (programs, D) fp32 dw partial sums
-    cos_ptr, sin_ptr,  # (P, D) RoPE tables
-    b, h, n_start, N, P, eps,
+    w_ptr, dw_part_ptr,  # (D,) weight; this (program, head)'s row of the fp32 dw partial sums
+    c1, c2, s1, s2,  # this token block's tables (_load_tables)
+    b, h, n_start, N, eps,
     sxb, sxh, sxn, sxd,
     sgb, sgh, sgn, sgd,  # do strides
     sdb, sdh, sdn, sdd,  # dx strides
-    scn, scd, ssn, ssd,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -174,14 +190,6 @@ def _norm_rope_bwd_tile(
     w2 = tl.load(w_ptr + offs_d + HALF, mask=mask_d, other=0.0).to(tl.float32)
 
     # Rotation transposed (patch tokens); the prefix passes do through (c = 1, s = 0 there).
-    p = offs_n - (N - P)
-    tmask = (mask_n & (p >= 0))[:, None] & mask_d[None, :]
-    c_rows = cos_ptr + tl.multiple_of(p * scn, X_ALIGN)[:, None]
-    s_rows = sin_ptr + tl.multiple_of(p * ssn, X_ALIGN)[:, None]
-    c1 = tl.load(c_rows + offs_d[None, :] * scd, mask=tmask, other=1.0).to(tl.float32)
-    c2 = tl.load(c_rows + (offs_d[None, :] + HALF) * scd, mask=tmask, other=1.0).to(tl.float32)
-    s1 = tl.load(s_rows + offs_d[None, :] * ssd, mask=tmask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_rows + (offs_d[None, :] + HALF) * ssd, mask=tmask, other=0.0).to(tl.float32)
     dy1 = do1 * c1 + do2 * s2
     dy2 = do2 * c2 - do1 * s1
 
@@ -209,7 +217,7 @@ def _norm_rope_bwd_tile(
 def _qk_norm_rope_bwd_kernel(
     q_ptr, k_ptr, doq_ptr, dok_ptr, dq_ptr, dk_ptr,  # (B, H, N, D) tensors of any strides
     wq_ptr, wk_ptr,  # (D,) weights
-    dw_part_ptr,  # (programs, D) fp32 partial sums of dw, one row per program (= program_id(0))
+    dw_part_ptr,  # (programs * HEADS_PER_PROGRAM, D) fp32 partial sums of dw, one row per (program, head)
     cos_ptr, sin_ptr,
     N, P, HQ, HKV, eps,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd,
@@ -217,21 +225,25 @@ def _qk_norm_rope_bwd_kernel(
     sdqb, sdqh, sdqn, sdqd, sdkb, sdkh, sdkn, sdkd,  # dq, dk strides
     scn, scd, ssn, ssd,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, X_ALIGN: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
 ):
-    """Same grid as the forward; dw rows in program order, i.e. a (B, Hq + Hkv, tiles, D) array."""
-    tile, b, h = program_coords(tl.cdiv(N, BLOCK_N), HQ + HKV)
+    """Same grid as the forward; dw rows in (program, head) order, i.e. a (B, groups, tiles,
+    HEADS_PER_PROGRAM, D) array (rows of the skipped heads past Hq + Hkv are never written)."""
+    tile, b, group = program_coords(tl.cdiv(N, BLOCK_N), tl.cdiv(HQ + HKV, HEADS_PER_PROGRAM))
     n_start = tile * BLOCK_N
-    dw_row = dw_part_ptr + tl.program_id(0).to(tl.int64) * (2 * HALF)
-    if h < HQ:
-        _norm_rope_bwd_tile(q_ptr, doq_ptr, dq_ptr, wq_ptr, dw_row, cos_ptr, sin_ptr,
-                            b, h, n_start, N, P, eps,
-                            sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, sdqd,
-                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H, X_ALIGN)
-    else:
-        _norm_rope_bwd_tile(k_ptr, dok_ptr, dk_ptr, wk_ptr, dw_row, cos_ptr, sin_ptr,
-                            b, h - HQ, n_start, N, P, eps,
-                            skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, sdkd,
-                            scn, scd, ssn, ssd, HALF, BLOCK_N, BLOCK_H, X_ALIGN)
+    c1, c2, s1, s2, _ = _load_tables(cos_ptr, sin_ptr, n_start, N, P, scn, scd, ssn, ssd,
+                                     HALF, BLOCK_N, BLOCK_H, X_ALIGN)
+    for i in range(HEADS_PER_PROGRAM):  # a loop, not unrolled: registers and compile time stay those of one head
+        h = group * HEADS_PER_PROGRAM + i
+        dw_row = dw_part_ptr + (tl.program_id(0).to(tl.int64) * HEADS_PER_PROGRAM + i) * (2 * HALF)
+        if h < HQ:
+            _norm_rope_bwd_tile(q_ptr, doq_ptr, dq_ptr, wq_ptr, dw_row, c1, c2, s1, s2, b, h, n_start, N, eps,
+                                sqb, sqh, sqn, sqd, sgqb, sgqh, sgqn, sgqd, sdqb, sdqh, sdqn, sdqd,
+                                HALF, BLOCK_N, BLOCK_H, X_ALIGN)
+        elif h < HQ + HKV:
+            _norm_rope_bwd_tile(k_ptr, dok_ptr, dk_ptr, wk_ptr, dw_row, c1, c2, s1, s2, b, h - HQ, n_start, N,
+                                eps, skb, skh, skn, skd, sgkb, sgkh, sgkn, sgkd, sdkb, sdkh, sdkn, sdkd,
+                                HALF, BLOCK_N, BLOCK_H, X_ALIGN)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -297,8 +309,17 @@ def _check_out(out, *likes):
     return out
 
 
+HEADS_PER_PROGRAM = 8  # heads that share one load of a token block's tables (batch 1 still fills 132 SMs)
+
+
+def _head_groups(num_heads: int, heads_per_program: int | None) -> tuple[int, int]:
+    """(heads per program, groups of heads per image)."""
+    g = min(heads_per_program or HEADS_PER_PROGRAM, num_heads)
+    return g, triton.cdiv(num_heads, g)
+
+
 def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, block_n: int | None = None,
-                     out=None):
+                     out=None, heads_per_program: int | None = None):
     """The forward launch (no autograd). Returns (q_out, k_out): new tensors in (B, N, H, D) memory viewed as
     (B, H, N, D), each head stored in grid_triton.padded_head_dim(D) columns (76 -> 80), or the given `out`
     pair (any strides; the tests pass NaN-filled ones)."""
@@ -311,18 +332,20 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, bloc
         oq, ok = (empty_heads(*t.shape, t.dtype, t.device) for t in (q, k))
     check_image_elements(q, k, oq, ok)
     BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
-    grid = flat_grid(triton.cdiv(N, BLOCK_N), B * (HQ + HKV))
+    G, groups = _head_groups(HQ + HKV, heads_per_program)
+    grid = flat_grid(triton.cdiv(N, BLOCK_N), B * groups)
     _qk_norm_rope_fwd_kernel[grid](
         q, k, oq, ok, q_weight, k_weight, cos, sin,
         N, P, HQ, HKV, eps,
         *q.stride(), *k.stride(), *oq.stride(), *ok.stride(), *cos.stride(), *sin.stride(),
-        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, X_ALIGN=_alignment(cos, sin, q, k), num_warps=4,
+        HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, X_ALIGN=_alignment(cos, sin, q, k),
+        HEADS_PER_PROGRAM=G, num_warps=4,
     )
     return oq, ok
 
 
 def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: float = 1e-6,
-                     block_n: int | None = None, out=None):
+                     block_n: int | None = None, out=None, heads_per_program: int | None = None):
     """The backward launch: (dq, dk, dq_weight, dk_weight) for output gradients grad_q, grad_k; dq and dk
     go to `out` when given."""
     B, HQ, N, D = q.shape
@@ -331,19 +354,22 @@ def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: fl
     check_image_elements(q, k, grad_q, grad_k, dq, dk)
     BLOCK_N, BLOCK_H = _block_sizes(D, block_n)
     num_tiles = triton.cdiv(N, BLOCK_N)
-    grid = flat_grid(num_tiles, B * (HQ + HKV))
-    dw_part = torch.empty(grid[0], D, dtype=torch.float32, device=q.device)
+    G, groups = _head_groups(HQ + HKV, heads_per_program)
+    grid = flat_grid(num_tiles, B * groups)
+    dw_part = torch.empty(grid[0] * G, D, dtype=torch.float32, device=q.device)
     _qk_norm_rope_bwd_kernel[grid](
         q, k, grad_q, grad_k, dq, dk, q_weight, k_weight, dw_part, cos, sin,
         N, P, HQ, HKV, eps,
         *q.stride(), *k.stride(), *grad_q.stride(), *grad_k.stride(), *dq.stride(), *dk.stride(),
         *cos.stride(), *sin.stride(),
         HALF=D // 2, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H, X_ALIGN=_alignment(cos, sin, q, k, grad_q, grad_k),
-        num_warps=4,
+        HEADS_PER_PROGRAM=G, num_warps=8,  # 4 warps spill at 5b (tables + one head: 255 registers)
     )
-    dw_part = dw_part.view(B, HQ + HKV, num_tiles, D)
+    # rows by (image, group, tile, head in group) -> (image, head, tile); the unwritten rows of the heads
+    # past Hq + Hkv fall outside both slices
+    dw_part = dw_part.view(B, groups, num_tiles, G, D).transpose(2, 3).reshape(B, groups * G, num_tiles, D)
     dwq = dw_part[:, :HQ].sum((0, 1, 2)).to(q_weight.dtype)
-    dwk = dw_part[:, HQ:].sum((0, 1, 2)).to(k_weight.dtype)
+    dwk = dw_part[:, HQ:HQ + HKV].sum((0, 1, 2)).to(k_weight.dtype)
     return dq, dk, dwq, dwk
 
 

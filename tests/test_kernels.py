@@ -105,7 +105,8 @@ def test_qk_norm_rope_forward(dtype, rope_dtype, D, B, HQ, HKV):
     cos, sin = rope_tables(P, D, rope_dtype)
     # Outputs in the other layout, NaN-filled: every element must be written, through any output strides.
     out = (poisoned(q, "bhnd"), poisoned(k, "bhnd"))
-    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N, out=out)
+    # 4 heads per program: Hq + Hkv = 5, 6 or 8 heads make ragged and whole groups
+    oq, ok = qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6, block_n=QK_BLOCK_N, out=out, heads_per_program=4)
     rq, rk = qk_norm_rope_reference(q, k, wq, wk, cos, sin, 1e-6)
     for o, r, name in ((oq, rq, "q"), (ok, rk, "k")):
         assert not o.isnan().any(), f"{name}: unwritten (NaN) elements"
@@ -174,7 +175,7 @@ def test_qk_norm_rope_backward(dtype, rope_dtype, D, B, HQ, HKV, tol):
     gq, gk = bnhd(B, HQ, N, D, dtype, 7), bnhd(B, HKV, N, D, dtype, 8)  # output gradients, (B, N, H, D) memory
 
     dq, dk, dwq, dwk = qk_norm_rope_bwd(q, k, wq, wk, cos, sin, gq, gk, 1e-6, block_n=QK_BLOCK_N,
-                                        out=(poisoned(q), poisoned(k)))
+                                        out=(poisoned(q), poisoned(k)), heads_per_program=4)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, wq, wk)]
     rq, rk = qk_norm_rope_reference(*leaves, cos, sin, 1e-6)
     ref = torch.autograd.grad((rq, rk), leaves, (gq, gk))
