@@ -74,6 +74,6 @@ def test_sass_counting():
         /*0140*/                   STL.64 [R1], R4 ;
         /*0150*/                   UTMALDG.2D [UR8], [UR4] ;
     """
-    counts = inspect_kernels.sass_counts(sass)
+    counts = sass_counts(sass)
     assert counts == {"hgmma": 1, "ldl": 0, "stl": 1, "ldg_16bit": 1, "ldg_128bit": 1, "ldgsts": 1,
                       "utmaldg": 1, "stg_16bit": 0}
