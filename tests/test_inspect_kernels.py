@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-# Not importorskip: importing triton at collection, before tests/test_kernels.py sets TRITON_INTERPRET, would fix
-# triton's mode for the whole session (the interpreted kernels then fail).
+# find_spec, not import: triton must not be imported while pytest collects, or tests/test_kernels.py could no
+# longer switch it to interpreter mode (TRITON_INTERPRET is read when triton is first imported).
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
