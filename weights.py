@@ -28,8 +28,10 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from dataclasses import replace
@@ -749,10 +751,13 @@ def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
 
 def _download_with_hub(hub, repo_id: str, revision: str) -> Path:
     """Download into the Hugging Face cache with huggingface_hub; the snapshot directory."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     get = lambda name: Path(hub.hf_hub_download(  # noqa: E731
-        repo_id, name, revision=revision, cache_dir=hf_cache_dir(),
-        endpoint=os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")))
+        repo_id, name, revision=revision, cache_dir=hf_cache_dir(), endpoint=endpoint))
     where = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    unresolvable = _unresolvable_host(endpoint)
+    if unresolvable:  # no network: huggingface_hub would retry each file for ~25 s before saying so
+        raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {unresolvable}"))
     try:
         _hub_optional(hub, get, "config.json")
         weights_file = _hub_optional(hub, get, "model.safetensors")
@@ -772,6 +777,16 @@ def _download_with_hub(hub, repo_id: str, revision: str) -> Path:
         raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {e}")) from e
 
 
+def _unresolvable_host(endpoint: str) -> str | None:
+    """Why the endpoint's host name cannot be resolved (offline, no DNS), or None when it can."""
+    host = urllib.parse.urlsplit(endpoint).hostname
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as e:
+        return f"cannot resolve {host} ({e})"
+    return None
+
+
 def _hub_optional(hub, get, name: str) -> Path | None:
     """get(name), or None when the repo has no such file (HTTP 404, which huggingface_hub may wrap)."""
     try:
@@ -784,6 +799,9 @@ def _hub_optional(hub, get, name: str) -> Path | None:
 
 def _download_builtin(repo_id: str, revision: str, local: Path, progress: bool) -> Path:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    unresolvable = _unresolvable_host(endpoint)
+    if unresolvable:
+        raise FileNotFoundError(_how_to_get(repo_id, revision, local, f"download failed: {unresolvable}"))
     have = lambda name: (local / name).exists()  # noqa: E731
     local.mkdir(parents=True, exist_ok=True)
     url = f"{endpoint}/{repo_id}/resolve/{revision}/"

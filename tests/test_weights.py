@@ -442,6 +442,22 @@ def test_hub_unreachable_says_what_to_do(tmp_path, monkeypatch, downloader):
         weights.load("facebook/sapiens2-pretrain-0.4b")
 
 
+def test_hub_host_that_does_not_resolve_fails_at_once(tmp_path, monkeypatch, downloader):
+    """Offline (no DNS): one clear error, without huggingface_hub's ~25 s of retries per file."""
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # .invalid never resolves (RFC 2606)
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    if downloader == "huggingface_hub":
+        import huggingface_hub.utils._http as hub_http
+
+        def no_retries(seconds):
+            raise AssertionError("huggingface_hub was asked to retry an unresolvable host")
+        monkeypatch.setattr(hub_http, "time", type("NoWait", (), {"sleep": staticmethod(no_retries)}))
+    with pytest.raises(FileNotFoundError, match="download failed.*hub.invalid.*put them in"):
+        weights.load("facebook/sapiens2-pretrain-0.4b")
+
+
 def fake_hf_cache(cache: Path, repo: str, model, revision="main", files=("config.json", "model.safetensors")):
     """What huggingface_hub leaves on disk: blobs, snapshots/<commit>/<file> symlinked to them, refs/<revision>."""
     saved = weights.save(model, cache / "tmp-save")
