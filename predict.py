@@ -647,8 +647,8 @@ def pose_boxes(ctx: Context, item: InputImage, image, segmentation,
         if dropped:
             ctx.warn(f"{item.path}: --boxes {dropped} lie outside the {width}x{height} image; dropped")
         return [box for box in inside if box is not None], "boxes-file", None
-    if detected is not None:
-        detected = detected[(detected[:, 2] > 0) & (detected[:, 3] > 0)]  # an empty box has nothing to crop
+    if detected is not None:  # an empty box has nothing to crop; a non-finite one (fp16 overflow) means nothing
+        detected = detected[(detected[:, 2] > 0) & (detected[:, 3] > 0) & torch.isfinite(detected).all(dim=1)]
     if detected is not None and len(detected):
         inside = fit_boxes(detected[:, :4].tolist(), width, height)  # kept as detected, unless wholly outside
         kept = [(box, score) for box, fitted, score in zip(detected[:, :4].tolist(), inside, detected[:, 4].tolist())
@@ -718,14 +718,15 @@ def infer(ctx: Context, items: list[InputImage], images: list[torch.Tensor]) -> 
             for result, value in zip(results, run_each(ctx, runner, images)):
                 result[task] = value
     if "pose" in ctx.tasks:
-        detected = run_detector(ctx, images)
+        detected = run_each(ctx, run_detector, images)  # a detector failure fails the image's pose only
         segs = segmentations if ctx.seg_boxes else [None] * len(images)
-        boxes, sources, scores = zip(*(pose_boxes(ctx, item, image, None if isinstance(seg, TaskFailed) else seg, found)
+        boxes, sources, scores = zip(*(([], None, None) if isinstance(found, TaskFailed) else
+                                       pose_boxes(ctx, item, image, None if isinstance(seg, TaskFailed) else seg, found)
                                        for item, image, seg, found in zip(items, images, segs, detected)))
-        for result, people, source, score in zip(results, run_each(ctx, run_pose, images, list(boxes)), sources,
-                                                 scores):
-            result["pose"] = people if isinstance(people, TaskFailed) else {
-                "people": people, "box_source": source, "detector_scores": score}
+        for result, people, source, score, found in zip(results, run_each(ctx, run_pose, images, list(boxes)),
+                                                        sources, scores, detected):
+            failed = found if isinstance(found, TaskFailed) else people if isinstance(people, TaskFailed) else None
+            result["pose"] = failed or {"people": people, "box_source": source, "detector_scores": score}
     return results
 
 

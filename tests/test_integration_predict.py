@@ -20,9 +20,7 @@ import video
 import weights
 from test_predict import model_args, tiny_model, write_images
 from test_reliability import error_lines, faulty_writer, no_partials, strict_json
-from test_video import av, make_video, person_boxes, read_video
-
-pytestmark = pytest.mark.skipif(av is None, reason="PyAV is not installed (pip install av)")
+from test_video import av, make_video, person_boxes, read_video, requires_av
 FRAMES = 4
 
 
@@ -35,6 +33,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory) -> Path:
+    if av is None:
+        pytest.skip("PyAV is not installed (pip install av)")
     return make_video(tmp_path_factory.mktemp("videos") / "clip.mp4", FRAMES)
 
 
@@ -42,6 +42,7 @@ def partials(root: Path) -> list[str]:
     return sorted(p.name for p in root.rglob("*") if "partial" in p.name)
 
 
+@requires_av
 # ----------------------------------------------------------------------------------------------------
 # Video options: checked with the other arguments, before OUT is made or any model loads (issue 12's rule)
 # ----------------------------------------------------------------------------------------------------
@@ -62,6 +63,7 @@ def test_video_options_are_checked_before_anything_loads(option, value, clip, tm
     assert not out.exists()
 
 
+@requires_av
 # ----------------------------------------------------------------------------------------------------
 # --boxes keys of video frames (REL#N) match their video: no "matches no input" warning
 # ----------------------------------------------------------------------------------------------------
@@ -77,6 +79,7 @@ def test_frame_box_keys_are_not_reported_as_unmatched(checkpoints, clip, tmp_pat
     assert strict_json(out / "clip" / "000001.pose.json")["box_source"] == "boxes-file"
 
 
+@requires_av
 # ----------------------------------------------------------------------------------------------------
 # A video's frame folder OUT/clip/ and a folder of images named clip/ in the same run
 # ----------------------------------------------------------------------------------------------------
@@ -95,6 +98,7 @@ def test_a_video_and_a_folder_of_its_frames_write_apart(checkpoints, clip, tmp_p
     assert all((out / name).resolve().is_relative_to(out.resolve()) for name in maps)
 
 
+@requires_av
 # ----------------------------------------------------------------------------------------------------
 # A failing pose on one frame: the frame's other tasks, tracks, overlays, COCO and OpenPose files carry on
 # ----------------------------------------------------------------------------------------------------
@@ -133,6 +137,7 @@ def test_a_frame_whose_pose_fails(checkpoints, clip, tmp_path, monkeypatch, caps
     assert partials(out) == []
 
 
+@requires_av
 # ----------------------------------------------------------------------------------------------------
 # The detector's boxes on video frames (any callable, as tests/test_detect.py does)
 # ----------------------------------------------------------------------------------------------------
@@ -159,6 +164,7 @@ def test_detector_boxes_on_video_frames(checkpoints, clip, tmp_path, monkeypatch
     assert len(strict_json(out / "coco_keypoints.json")) == 6
 
 
+@requires_av
 # ----------------------------------------------------------------------------------------------------
 # Disk full in the middle of a video: stopped cleanly, the video listed as not finished, resumable
 # ----------------------------------------------------------------------------------------------------
@@ -186,6 +192,7 @@ def test_disk_full_during_a_video(checkpoints, clip, tmp_path, monkeypatch, caps
     assert [t["frames"] for t in strict_json(out / "clip.tracks.json")["tracks"]] == [list(range(FRAMES))]
 
 
+@requires_av
 # ----------------------------------------------------------------------------------------------------
 # Overlay videos' temporaries: unique per writer, and cleaned as stale like every other temporary
 # ----------------------------------------------------------------------------------------------------
@@ -208,3 +215,42 @@ def test_save_coco_alone_with_skip_existing(checkpoints, tmp_path, capsys):
     assert predict.main([*args, "--skip-existing"]) == 0
     assert [r["image_id"] for r in strict_json(out / "coco_keypoints.json")] == [1, 2]
     assert strict_json(out / "run.json")["counts"]["written"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# The detector under issue 12's rules: its failure costs pose alone; boxes it cannot mean are dropped
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def photos(tmp_path) -> Path:
+    return write_images(tmp_path / "in", {"a.jpg": (40, 30), "b.jpg": (30, 40)})
+
+
+def test_a_failing_detector_fails_pose_alone(checkpoints, photos, tmp_path, monkeypatch, capsys):
+    def fails_on_a(images):
+        if any(image.shape[-2:] == (40, 30) for image in images):
+            raise RuntimeError("detector out of memory")
+        return [torch.tensor([[1.0, 2.0, 20.0, 25.0, 0.9]]) for _ in images]
+
+    monkeypatch.setattr(detect, "load", lambda source, **kwargs: fails_on_a)
+    out = tmp_path / "out"
+    assert predict.main(["seg,pose", str(photos), "-o", str(out), "--batch-size", "2", "--no-flip",
+                         "--detector", "my/detector", *model_args(checkpoints, ["seg", "pose"])]) == 1
+    manifest = strict_json(out / "run.json")
+    assert manifest["errors"] == [{"image": str(photos / "a.jpg"), "task": "pose",
+                                   "error": "RuntimeError: detector out of memory"}]
+    assert sorted(p.name for p in out.glob("a.*")) == ["a.seg.png", "a.seg_overlay.jpg"]  # seg kept
+    assert len(list(out.glob("b.*"))) == 4 and strict_json(out / "b.pose.json")["box_source"] == "detector"
+
+
+def test_non_finite_detector_boxes_are_dropped(checkpoints, photos, tmp_path, monkeypatch, capsys):
+    def one_broken_box(images):  # e.g. an fp16 overflow: NaN / Inf coordinates
+        return [torch.tensor([[float("nan"), 3.0, 10.0, 10.0, 0.8], [1.0, 2.0, float("inf"), 10.0, 0.7],
+                              [1.0, 2.0, 20.0, 25.0, 0.9]]) for _ in images]
+
+    monkeypatch.setattr(detect, "load", lambda source, **kwargs: one_broken_box)
+    out = tmp_path / "out"
+    assert predict.main(["pose", str(photos), "-o", str(out), "--no-flip", "--detector", "my/detector",
+                         "--save", "json", *model_args(checkpoints, ["pose"])]) == 0
+    pose = strict_json(out / "a.pose.json")
+    assert [(p["box"], p["detector_score"]) for p in pose["people"]] == [([1, 2, 21, 27], 0.9)]
+    assert all(None not in point for point in pose["people"][0]["keypoints"])
