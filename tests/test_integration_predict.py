@@ -42,10 +42,10 @@ def partials(root: Path) -> list[str]:
     return sorted(p.name for p in root.rglob("*") if "partial" in p.name)
 
 
-@requires_av
 # ----------------------------------------------------------------------------------------------------
 # Video options: checked with the other arguments, before OUT is made or any model loads (issue 12's rule)
 # ----------------------------------------------------------------------------------------------------
+@requires_av
 @pytest.mark.parametrize("option,value", [("--every", "0"), ("--start", "-1"), ("--end", "0"),
                                           ("--track-patience", "-1"), ("--smooth-min-cutoff", "0"),
                                           ("--smooth-min-cutoff", "nan"), ("--smooth-beta", "inf"),
@@ -63,10 +63,10 @@ def test_video_options_are_checked_before_anything_loads(option, value, clip, tm
     assert not out.exists()
 
 
-@requires_av
 # ----------------------------------------------------------------------------------------------------
 # --boxes keys of video frames (REL#N) match their video: no "matches no input" warning
 # ----------------------------------------------------------------------------------------------------
+@requires_av
 def test_frame_box_keys_are_not_reported_as_unmatched(checkpoints, clip, tmp_path, capsys):
     boxes = tmp_path / "boxes.json"
     boxes.write_text(json.dumps({**{f"clip.mp4#{i}": person_boxes(i) for i in range(2)},
@@ -79,10 +79,10 @@ def test_frame_box_keys_are_not_reported_as_unmatched(checkpoints, clip, tmp_pat
     assert strict_json(out / "clip" / "000001.pose.json")["box_source"] == "boxes-file"
 
 
-@requires_av
 # ----------------------------------------------------------------------------------------------------
 # A video's frame folder OUT/clip/ and a folder of images named clip/ in the same run
 # ----------------------------------------------------------------------------------------------------
+@requires_av
 def test_a_video_and_a_folder_of_its_frames_write_apart(checkpoints, clip, tmp_path, capsys):
     folder = tmp_path / "in"
     (folder / "clip").mkdir(parents=True)
@@ -98,10 +98,10 @@ def test_a_video_and_a_folder_of_its_frames_write_apart(checkpoints, clip, tmp_p
     assert all((out / name).resolve().is_relative_to(out.resolve()) for name in maps)
 
 
-@requires_av
 # ----------------------------------------------------------------------------------------------------
 # A failing pose on one frame: the frame's other tasks, tracks, overlays, COCO and OpenPose files carry on
 # ----------------------------------------------------------------------------------------------------
+@requires_av
 def test_a_frame_whose_pose_fails(checkpoints, clip, tmp_path, monkeypatch, capsys):
     real, calls = predict.run_pose, []
 
@@ -137,10 +137,10 @@ def test_a_frame_whose_pose_fails(checkpoints, clip, tmp_path, monkeypatch, caps
     assert partials(out) == []
 
 
-@requires_av
 # ----------------------------------------------------------------------------------------------------
 # The detector's boxes on video frames (any callable, as tests/test_detect.py does)
 # ----------------------------------------------------------------------------------------------------
+@requires_av
 def test_detector_boxes_on_video_frames(checkpoints, clip, tmp_path, monkeypatch, capsys):
     seen = []
 
@@ -164,10 +164,10 @@ def test_detector_boxes_on_video_frames(checkpoints, clip, tmp_path, monkeypatch
     assert len(strict_json(out / "coco_keypoints.json")) == 6
 
 
-@requires_av
 # ----------------------------------------------------------------------------------------------------
 # Disk full in the middle of a video: stopped cleanly, the video listed as not finished, resumable
 # ----------------------------------------------------------------------------------------------------
+@requires_av
 def test_disk_full_during_a_video(checkpoints, clip, tmp_path, monkeypatch, capsys):
     folder = write_images(tmp_path / "in", {"a.jpg": (20, 16)})
     (folder / "clip.mp4").write_bytes(clip.read_bytes())
@@ -193,9 +193,26 @@ def test_disk_full_during_a_video(checkpoints, clip, tmp_path, monkeypatch, caps
 
 
 @requires_av
+def test_ctrl_c_during_a_video_says_interrupted(checkpoints, clip, tmp_path, monkeypatch, capsys):
+    real = safe_io.write_value
+
+    def interrupted_at_frame_1(file, value, suffix):
+        if Path(file).name.startswith(".000001"):
+            raise KeyboardInterrupt
+        return real(file, value, suffix)
+
+    monkeypatch.setattr(safe_io, "write_value", interrupted_at_frame_1)
+    out = tmp_path / "out"
+    assert predict.main(["seg", str(clip), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 130
+    manifest = strict_json(out / "run.json")
+    assert manifest["status"] == "interrupted" and manifest["not_attempted"] == [str(clip)]
+    assert partials(tmp_path) == [] and sorted(p.name for p in out.glob("clip.*")) == []
+
+
 # ----------------------------------------------------------------------------------------------------
 # Overlay videos' temporaries: unique per writer, and cleaned as stale like every other temporary
 # ----------------------------------------------------------------------------------------------------
+@requires_av
 def test_overlay_temporaries_are_unique_and_cleaned_when_stale(tmp_path):
     first, second = (video.VideoWriter(tmp_path / "clip.seg_overlay.mp4", Fraction(25)) for _ in range(2))
     assert first.partial != second.partial and first.partial.parent == tmp_path
