@@ -219,10 +219,22 @@ def output_names(items: list[InputImage]) -> dict[InputImage, str]:
             candidates = [item.relative] + [f"{item.relative}~{n}" for n in range(2, len(items) + 2)]
             names[item] = next(name for name in candidates if name.casefold() not in taken)
             taken.add(names[item].casefold())
+    for clip in sorted((item for item in items if video.is_video(item.path)), key=lambda item: item.relative):
+        if claims_folder_of_others(names, clip):  # OUT/clip/000000.* of clip.mp4 and of an image clip/000000.png
+            taken = {name.casefold() for name in names.values()}
+            candidates = [clip.relative] + [f"{clip.relative}~{n}" for n in range(2, len(items) + 2)]
+            names[clip] = next(name for name in candidates if name.casefold() not in taken
+                               and not claims_folder_of_others({**names, clip: name}, clip))
     escaping = [name for name in names.values() if climbs_out(name)]
     if escaping:  # collect_inputs never makes such names: a last guard that nothing is written outside OUT
         raise UsageError(f"output name {escaping[0]!r} would be outside the output folder")
     return names
+
+
+def claims_folder_of_others(names: dict[InputImage, str], clip: InputImage) -> bool:
+    """A video writes its frames into the folder OUT/NAME/: does another input's output name lie in it?"""
+    folder = names[clip].casefold() + "/"
+    return any(name.casefold().startswith(folder) for item, name in names.items() if item != clip)
 
 
 def clashes(names: dict[InputImage, str]) -> dict[str, list[InputImage]]:
@@ -635,8 +647,8 @@ def pose_boxes(ctx: Context, item: InputImage, image, segmentation,
         if dropped:
             ctx.warn(f"{item.path}: --boxes {dropped} lie outside the {width}x{height} image; dropped")
         return [box for box in inside if box is not None], "boxes-file", None
-    if detected is not None:
-        detected = detected[(detected[:, 2] > 0) & (detected[:, 3] > 0)]  # an empty box has nothing to crop
+    if detected is not None:  # an empty box has nothing to crop; a non-finite one (fp16 overflow) means nothing
+        detected = detected[(detected[:, 2] > 0) & (detected[:, 3] > 0) & torch.isfinite(detected).all(dim=1)]
     if detected is not None and len(detected):
         inside = fit_boxes(detected[:, :4].tolist(), width, height)  # kept as detected, unless wholly outside
         kept = [(box, score) for box, fitted, score in zip(detected[:, :4].tolist(), inside, detected[:, 4].tolist())
@@ -706,14 +718,15 @@ def infer(ctx: Context, items: list[InputImage], images: list[torch.Tensor]) -> 
             for result, value in zip(results, run_each(ctx, runner, images)):
                 result[task] = value
     if "pose" in ctx.tasks:
-        detected = run_detector(ctx, images)
+        detected = run_each(ctx, run_detector, images)  # a detector failure fails the image's pose only
         segs = segmentations if ctx.seg_boxes else [None] * len(images)
-        boxes, sources, scores = zip(*(pose_boxes(ctx, item, image, None if isinstance(seg, TaskFailed) else seg, found)
+        boxes, sources, scores = zip(*(([], None, None) if isinstance(found, TaskFailed) else
+                                       pose_boxes(ctx, item, image, None if isinstance(seg, TaskFailed) else seg, found)
                                        for item, image, seg, found in zip(items, images, segs, detected)))
-        for result, people, source, score in zip(results, run_each(ctx, run_pose, images, list(boxes)), sources,
-                                                 scores):
-            result["pose"] = people if isinstance(people, TaskFailed) else {
-                "people": people, "box_source": source, "detector_scores": score}
+        for result, people, source, score, found in zip(results, run_each(ctx, run_pose, images, list(boxes)),
+                                                        sources, scores, detected):
+            failed = found if isinstance(found, TaskFailed) else people if isinstance(people, TaskFailed) else None
+            result["pose"] = failed or {"people": people, "box_source": source, "detector_scores": score}
     return results
 
 
@@ -813,7 +826,9 @@ def expected_outputs(ctx: Context, item: InputImage) -> list[Path]:
 
 
 def all_written(ctx: Context, item: InputImage) -> bool:
-    return all(path.exists() for path in expected_outputs(ctx, item))
+    """--skip-existing: are its files there? Never when it writes none of its own (--save coco alone)."""
+    expected = expected_outputs(ctx, item)
+    return bool(expected) and all(path.exists() for path in expected)
 
 
 def write_outputs(ctx: Context, item: InputImage, image: torch.Tensor,
@@ -1245,6 +1260,7 @@ def run(args, argv: list[str]) -> int:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     batch_size = args.batch_size or (4 if device.type == "cuda" else 1)
+    check_video_options(args)
     boxes = read_boxes_file(args.boxes) if args.boxes else None
     items = collect_inputs(args.inputs, exclude=out.resolve())
     names = output_names(items)
@@ -1291,7 +1307,8 @@ def run(args, argv: list[str]) -> int:
         progress.close()
         skipped = len(images) - len(todo) + sum(v.get("frames_skipped_existing", 0) for v in
                                                 manifest.get("videos", {}).values())  # frames count as images
-        finish_manifest(manifest, ctx, todo, skipped=skipped, elapsed=time.perf_counter() - start,
+        unfinished = [clip for clip in clips if clip.relative not in manifest.get("videos", {})]
+        finish_manifest(manifest, ctx, todo + unfinished, skipped=skipped, elapsed=time.perf_counter() - start,
                         rate=progress.rate(), stopped=stopped)
         if ctx.coco is not None:
             pending = set(todo)
@@ -1323,7 +1340,11 @@ def unmatched_boxes_warnings(path: str | None, boxes: dict | None, items: list[I
     if not boxes:
         return []
     keys = {key for item in items for key in (item.relative, item.path.name, str(item.path), str(item.path.resolve()))}
-    unmatched = [key for key in boxes if key not in keys]
+    clips = {key for item in items if video.is_video(item.path)
+             for key in (item.relative, item.path.name, str(item.path), str(item.path.resolve()))}
+    frame_key = re.compile(r"(.+)#\d+")  # a video frame: `REL#N`
+    unmatched = [key for key in boxes if key not in keys
+                 and not ((match := frame_key.fullmatch(key)) and match[1] in clips)]
     if not unmatched:
         return []
     return [f"--boxes {path}: {len(unmatched)} entries match no input image ({', '.join(map(repr, unmatched[:3]))}"
@@ -1367,13 +1388,23 @@ def require_av_for(items: list[InputImage]):
             raise UsageError(f"{clip.path}: {error}") from None
 
 
-def video_settings(args, ctx: Context) -> video.VideoSettings:
-    """--every/--start/--end, --track-patience, --smooth*, and which pictures become overlay videos."""
+def check_video_options(args):
+    """--every/--start/--end, --track-patience, --smooth*: checked with the other arguments, before any model
+    loads (argparse's float takes nan and inf, which would fill pose.json with nulls)."""
     if args.every < 1 or args.start < 0 or (args.end is not None and args.end <= args.start):
         raise UsageError(f"frames are selected by --every N >= 1, --start S >= 0, --end E > S; got --every "
                          f"{args.every} --start {args.start} --end {args.end}")
-    if args.track_patience < 0 or args.smooth_min_cutoff <= 0 or args.smooth_beta < 0:
-        raise UsageError("--track-patience and --smooth-beta must be >= 0, --smooth-min-cutoff > 0")
+    if args.track_patience < 0:
+        raise UsageError(f"--track-patience {args.track_patience}: expected a whole number >= 0")
+    if not (math.isfinite(args.smooth_min_cutoff) and args.smooth_min_cutoff > 0):
+        raise UsageError(f"--smooth-min-cutoff {args.smooth_min_cutoff}: expected a number of Hz above 0")
+    if not (math.isfinite(args.smooth_beta) and args.smooth_beta >= 0):
+        raise UsageError(f"--smooth-beta {args.smooth_beta}: expected a finite number >= 0")
+
+
+def video_settings(args, ctx: Context) -> video.VideoSettings:
+    """--every/--start/--end, --track-patience, --smooth* (checked by check_video_options), and which pictures
+    become overlay videos."""
     smoothing = tracking.OneEuroSettings(args.smooth_min_cutoff, args.smooth_beta) if args.smooth else None
     pictures = [s for task in ctx.tasks for s, kinds in ARTEFACTS[task].items() if "vis" in (kinds & ctx.kinds)]
     return video.VideoSettings(video.FrameSelection(args.every, args.start, args.end), args.skip_existing,
@@ -1388,6 +1419,8 @@ def process_video(ctx: Context, clip: InputImage, settings: video.VideoSettings,
     reported like a bad image (its frames before the damage are kept). Returns its summary for run.json."""
     try:
         summary = video.VideoRun(ctx, clip, settings, progress, VIDEO_PIPELINE).run()
+    except StopRun:  # disk full, OUT read-only: the whole run stops (not this video alone)
+        raise
     except Exception as error:  # noqa: BLE001 (as for images: one bad input must not end the run)
         summary = {"error": error}
     if "error" in summary:

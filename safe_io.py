@@ -50,9 +50,7 @@ def atomic_write(path: Path, value):
     output. The temporary name is unique to this writer (`.NAME.PID.RANDOM.partial`, created exclusively), so
     two processes writing the same OUT never share one; a failed write removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a long name shortened, so that the temporary's name fits where the output's does (255 bytes)
-    name = path.name if len(os.fsencode(path.name)) <= 200 else path.name[:50]
-    temp = path.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    temp = temporary_path(path)
     try:
         with open(temp, "xb"):  # exclusive: fails rather than share a name
             pass
@@ -63,6 +61,13 @@ def atomic_write(path: Path, value):
         with contextlib.suppress(OSError):  # a read-only file system refuses even that; the write error matters
             temp.unlink(missing_ok=True)
         raise
+
+
+def temporary_path(path: Path) -> Path:
+    """`.NAME.PID.RANDOM.partial` beside `path`: unique to this writer, and known to remove_stale_temporaries."""
+    # a long name shortened, so that the temporary's name fits where the output's does (255 bytes)
+    name = path.name if len(os.fsencode(path.name)) <= 200 else path.name[:50]
+    return path.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
 
 
 TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.partial$")  # atomic_write's names: .NAME.PID.RANDOM.partial

@@ -7,6 +7,7 @@ PyAV (`pip install av`) is optional: it is imported only when a video is read or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from PIL import Image
 
 import formats
 import tracking
+from safe_io import temporary_path
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
 ENCODERS = ("libx264", "mpeg4")  # H.264 where FFmpeg has it, else MPEG-4 part 2 (in every FFmpeg build)
@@ -117,13 +119,14 @@ def pick_encoder(av) -> str:
 
 
 class VideoWriter:
-    """An MP4 written frame by frame to NAME.partial, renamed to NAME by `close` (an interrupted run leaves no
+    """An MP4 written frame by frame to a temporary `.NAME.PID.RANDOM.partial` (safe_io's: unique per writer,
+    removed as stale by --skip-existing after a kill -9), renamed to NAME by `close` (an interrupted run leaves no
     file that looks complete). Frames of odd width/height are padded by one edge pixel (4:2:0 needs even)."""
 
     def __init__(self, path: Path, rate: Fraction):
         self.av = require_av()
         self.path, self.rate = path, rate
-        self.partial = path.with_name(path.name + ".partial")
+        self.partial = temporary_path(path)
         self.container = self.stream = None
         self.frames = 0
 
@@ -171,10 +174,14 @@ class OverlayVideos:
         self.writers = {suffix: VideoWriter(stem.with_name(stem.name + overlay_suffix(suffix)), rate)
                         for suffix in picture_suffixes}
 
-    def add(self, pictures: dict):
+    def add(self, pictures: dict, frame: torch.Tensor | None = None):
+        """A frame's pictures; with `frame`, the source frame stands in for a picture its failed task lacks, so
+        every overlay video keeps one frame per processed frame, in step with the source and each other."""
         for suffix, writer in self.writers.items():
             if suffix in pictures:
                 writer.write(pictures[suffix])
+            elif frame is not None:
+                writer.write(Image.fromarray(frame.permute(1, 2, 0).numpy()))
 
     def close(self, keep: bool = True) -> list[str]:
         for writer in self.writers.values():
@@ -282,9 +289,14 @@ class VideoRun:
     def write(self, ctx, item, image, result: dict) -> tuple[dict, list]:
         if self.tracker is not None and isinstance(result.get("pose"), dict):  # not a failed pose
             self.tracker.update(self.index[item], result["pose"]["people"])  # ids (and smoothing) before pose.json
-        written, failures = self.pipeline.write_outputs(ctx, item, image, result)
-        self.overlays.add(written)
-        self.written += 1
+        try:
+            written, failures = self.pipeline.write_outputs(ctx, item, image, result)
+        except OSError:  # the frame fails (or the run stops): its place in the overlay videos is kept
+            with contextlib.suppress(Exception):  # the write error is what to report (a full disk fails this too)
+                self.overlays.add({}, image)
+            raise
+        self.overlays.add(written, image)
+        self.written += not failures  # as run.json's counts: a frame with a failed task is a failed frame
         return written, failures
 
     def resume(self, item):
