@@ -82,7 +82,9 @@ def bnhd(B, H, N, D, dtype=DTYPE):
 def intercepted(launches: list):
     """Record launches instead of running them; the launchers take their CUDA branches."""
     def autotuned_run(self, *args, **kwargs):
-        configs = [(dict(c.kwargs), c.num_warps, c.num_stages) for c in self.configs]
+        self.nargs = dict(zip(self.arg_names, args))  # what Autotuner.run sets before pruning
+        kept = self.early_config_prune(self.configs, self.nargs, **kwargs) if self.early_config_prune else self.configs
+        configs = [(dict(c.kwargs), c.num_warps, c.num_stages) for c in kept]
         launches.append((self.fn, args, kwargs, configs))
 
     def jit_run(self, *args, grid, warmup, **kwargs):
@@ -274,9 +276,27 @@ def constexpr_summary(fn, constexprs):
     return out
 
 
-def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_norm_rope"), blocks=None, log=print):
-    """The rows for these presets; `only` (regex on kernel names), `first_config`, `ops` and `blocks` ("mha",
-    "gqa2", ...) select a subset."""
+def constexprs_by_name(fn, constexprs):
+    return {fn.arg_names[i]: value for (i,), value in constexprs.items()}
+
+
+def kv_traffic(name, consts, grid, N, D) -> dict:
+    """Attention forward: query rows and heads per program, and the K/V bytes each program loads (every
+    program streams all N keys and values of its K/V head, D columns of bf16 each) and all programs together,
+    computed from the launch. This is what GQA packing (PACK) changes: a packed tile holds the GROUP heads of
+    one K/V head, so a K/V tile serves GROUP heads per load."""
+    if name != "_attn_fwd_kernel":
+        return {}
+    heads = consts["GROUP"] if consts.get("PACK") else 1
+    per_program = 2 * N * D * DTYPE.itemsize
+    return {"query_heads_per_program": heads, "tokens_per_program": consts["BLOCK_M"] // heads,
+            "kv_bytes_per_program": per_program, "kv_bytes_total": per_program * grid[0]}
+
+
+def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_norm_rope"), blocks=None, log=print,
+            cfg=None):
+    """The rows for these presets; `only` (regex on kernel names), `first_config`, `ops`, `blocks` ("mha",
+    "gqa2", ...) and `cfg` (regex on config_label, e.g. "256x64w8s2p") select a subset."""
     target = GPUTarget("cuda", parse_arch(arch), 32)
     compiled: dict[str, dict] = {}  # identical compilations are shared
     rows = []
@@ -289,6 +309,8 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
                 if only and not re.search(only, name):
                     continue
                 for config_kwargs, num_warps, num_stages in configs[:1] if first_config else configs:
+                    if cfg and not re.search(cfg, config_label({**kwargs, **config_kwargs}, num_warps, num_stages)):
+                        continue
                     bound = bind(fn, args, kwargs, config_kwargs)
                     src, signature, constexprs, attrs = aot_source(fn, bound)
                     key = json.dumps([name, signature, sorted(map(str, constexprs.items())), sorted(map(str, attrs)),
@@ -305,22 +327,30 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
                            "constexprs": constexpr_summary(fn, constexprs), "num_warps": num_warps,
                            "num_stages": num_stages, "grid": list(grid),
                            "divisible_by_16": [fn.arg_names[i] for (i,) in attrs],
+                           **kv_traffic(name, constexprs_by_name(fn, constexprs), grid, N, D),
                            **compiled[key]}
                     rows.append(row)
                     log(format_row(row))
     return rows
 
 
-COLUMNS = [("preset", 5), ("block", 5), ("name", 26), ("cfg", 16), ("regs", 4), ("spill", 5), ("smem", 6),
-           ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7)]
+COLUMNS = [("preset", 5), ("block", 5), ("name", 26), ("cfg", 18), ("regs", 4), ("spill", 5), ("smem", 6),
+           ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7), ("kvGB", 5)]
+
+
+def config_label(constexprs: dict, num_warps: int, num_stages: int) -> str:
+    """e.g. 128x64w8s3 (BLOCK_M x BLOCK_N, warps, stages), with a final p for a GQA-packed forward tile."""
+    c = constexprs
+    label = f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}"
+    return label + ("p" if c.get("PACK") else "")
 
 
 def format_row(r) -> str:
-    c = r["constexprs"]
-    cfg = f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{r['num_warps']}s{r['num_stages']}"
+    cfg = config_label(r["constexprs"], r["num_warps"], r["num_stages"])
+    kv = f"{r['kv_bytes_total'] / 1e9:.2f}" if "kv_bytes_total" in r else ""
     spill = (r["spill_store_bytes"] or 0) + (r["spill_load_bytes"] or 0)
     cells = [r["preset"], r["block"], r["name"], cfg, r["registers"], spill, r["shared_bytes"], r["hgmma"],
-             f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"]]
+             f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"], kv]
     return "  ".join(str(v).ljust(w) for v, (_, w) in zip(cells, COLUMNS))
 
 
@@ -337,6 +367,7 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="regex on the kernel name, e.g. attn_fwd")
     ap.add_argument("--first-config", action="store_true", help="only the first autotune configuration")
     ap.add_argument("--blocks", default=None, help="comma-separated block kinds: mha, gqa2 (default: all)")
+    ap.add_argument("--cfg", default=None, help="regex on the configuration label, e.g. '256x64w8s2p$' (p: packed)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.error("TRITON_INTERPRET is set: interpreted kernels cannot be compiled; unset it")
@@ -347,7 +378,7 @@ def main(argv=None):
     t0 = time.time()
     print(header())
     blocks = tuple(args.blocks.split(",")) if args.blocks else None
-    rows = inspect(presets, args.arch, args.only, args.first_config, tuple(args.ops.split(",")), blocks)
+    rows = inspect(presets, args.arch, args.only, args.first_config, tuple(args.ops.split(",")), blocks, cfg=args.cfg)
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s (triton {triton.__version__}, {args.arch}, no GPU)")
     if args.json:
         info = {"arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,

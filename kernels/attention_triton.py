@@ -8,6 +8,9 @@ streams the N keys/values of head g in BLOCK_N tiles, keeping a running max m, a
 accumulator; it writes o = acc / l and the log-sum-exp lse = m + log2(l) (base 2, scaled) for the backward.
     * GQA: the program reads key/value head g = h // r directly; K/V are never repeated in memory, and the r
       query heads of one group are neighbours in the grid so their K/V tiles are shared through L2.
+      Packing (PACK, autotuned beside the unpacked tiles): one program stacks the r query heads of K/V
+      head g in its tile's rows (BLOCK_M / r tokens of each), so every K/V tile it loads serves the whole
+      group through one dot; the packed 256-row tile reads half the K/V bytes of the 128-row tiles.
     * Ragged N: the key loop runs over the full tiles without any masking, then one masked tail tile
       (scores of keys >= N set to -inf). Query rows >= N are computed on zeros and never stored.
     * Head dims that are not a power of two (80 in 0.8b, 76 in 5b) are NOT padded to 128: D is split into
@@ -113,24 +116,41 @@ def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, N, D) x2, any strides
     o_ptr,  # (B, Hq, N, D) output, any strides (the launcher makes it (B, N, Hq, D)-contiguous)
     lse_ptr,  # (B * Hq, N) fp32: base-2 log-sum-exp of the scaled scores, for the backward
-    N, HQ, GROUP, qk_scale,  # GROUP = Hq / Hkv
+    N, HQ, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
     BH,  # B * Hq; only an autotuning key
+    GROUP: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr,  # stack the GROUP query heads of one K/V head in the tile's rows (GQA packing)
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs, tiles fastest (grid_triton.py)."""
-    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
-    start_m = tile * BLOCK_M
-    bh = b * HQ + h
-    g = h // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    """Flat grid, tiles fastest (grid_triton.py). Each program owns BLOCK_M rows of queries:
+    PACK False: BLOCK_M tokens of one query head h (cdiv(N, BLOCK_M) * B * Hq programs);
+    PACK True:  BLOCK_M // GROUP tokens of each of the GROUP query heads that share K/V head g, stacked
+                head-major in the rows (cdiv(N, BLOCK_M // GROUP) * B * Hkv programs). Every K/V tile the
+                program loads then serves all the heads of its group through one dot, instead of being loaded
+                by GROUP programs. The launcher sets PACK only when GROUP > 1 divides BLOCK_M."""
+    rows = tl.arange(0, BLOCK_M)
+    if PACK:
+        tl.static_assert(GROUP > 1 and BLOCK_M % GROUP == 0)
+        TOKENS: tl.constexpr = BLOCK_M // GROUP
+        tile, b, g = program_coords(tl.cdiv(N, TOKENS), HQ // GROUP)
+        h0 = g * GROUP  # first query head of the tile (int64)
+        offs_m = tile * TOKENS + rows % TOKENS  # token of each row
+        row_head = rows // TOKENS  # query head of each row, relative to h0
+    else:
+        tile, b, h0 = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+        g = h0 // GROUP
+        offs_m = tile * BLOCK_M + rows
+        row_head = 0
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)  # a dummy 16 when there is no second chunk
     mask_m = offs_m < N
     mask_d1 = offs_d1 < HEAD_DIM
 
-    q_rows = q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn
+    # int64 base of head h0 of image b, plus int32 offsets within the image (head and token of each row)
+    q_rows = q_ptr + b * sqb + h0 * sqh + (row_head * sqh + offs_m * sqn)[:, None]
     q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)
     acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
     if D1 > 0:
@@ -155,13 +175,14 @@ def _attn_fwd_kernel(
                                               True, DOT_PRECISION, UPCAST_DOT)
 
     inv_l = 1.0 / l_i
-    o_rows = o_ptr + b * sob + h * soh + offs_m[:, None] * son
+    o_rows = o_ptr + b * sob + h0 * soh + (row_head * soh + offs_m * son)[:, None]
     o_dtype = o_ptr.dtype.element_ty
     tl.store(o_rows + offs_d0[None, :] * sod, (acc0 * inv_l[:, None]).to(o_dtype), mask=mask_m[:, None])
     if D1 > 0:
         tl.store(o_rows + offs_d1[None, :] * sod, (acc1 * inv_l[:, None]).to(o_dtype),
                  mask=mask_m[:, None] & mask_d1[None, :])
-    tl.store(lse_ptr + bh * N + offs_m, m_i + tl.math.log2(l_i), mask=mask_m)
+    lse_rows = lse_ptr + (b * HQ + h0) * N + row_head * N + offs_m
+    tl.store(lse_rows, m_i + tl.math.log2(l_i), mask=mask_m)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -373,8 +394,22 @@ def _attn_bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _configs(shapes):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+def _configs(shapes, **constexprs):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **constexprs}, num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]
+
+
+def pack_heads(block_m: int, pack: bool, group: int) -> int:
+    """Query heads stacked in one forward tile (GQA packing): GROUP when packing is asked for and GROUP > 1
+    divides the tile's rows, else 1. The one rule for the launch grid and the kernel's PACK."""
+    return group if pack and group > 1 and block_m % group == 0 else 1
+
+
+def _prune_packing(configs, named_args, **kwargs):
+    """Autotuning: drop the packed forward configurations that cannot pack (MHA, or GROUP not dividing
+    BLOCK_M); their unpacked twins stay."""
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
+    return [c for c in configs if not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1]
 
 
 # (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
@@ -383,21 +418,33 @@ def _configs(shapes):
 # in bench/results/inspect_kernels_sm90a.json): all use wgmma and cp.async, none spills at D = 64, 80 and
 # 76. Pruned as unable to win: forward 128 x 32 with 4 warps (a 128-row tile on one warpgroup, 184
 # registers, and N = 32 wgmmas), and the 4-warp dQ tile with BLOCK_N = 32.
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)])
+# GQA packing (PACK; the GROUP query heads of a K/V head share a tile's rows, so each K/V tile is loaded once
+# per group instead of once per head): K/V bytes read per program are the same as without packing, so the
+# traffic falls with the rows per tile. The packed 256-row tile (128 tokens x 2 heads at GQA 2) halves the K/V
+# reads of the 128-row tiles, with 214-246 registers and no spills at D = 64/80/76 (an unpacked 256-row tile
+# hits 255 registers and local memory at D = 80, and pads N = 3081 to 3328 rows instead of 3200). Packed
+# twins of the smaller tiles only shorten the ragged last tile. The autotuner times packed and unpacked
+# configurations alike; packed ones are dropped for MHA blocks (_prune_packing).
+_FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)]
+_FWD_PACKED_TILES = [(256, 64, 8, 2), (256, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4)]
+_FWD_CONFIGS = _configs(_FWD_TILES, PACK=False) + _configs(_FWD_PACKED_TILES, PACK=True)
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
 # fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
 # stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
-_FWD_CONFIGS_FP32 = _configs([(128, 32, 8, 2), (64, 32, 4, 2)])
+_FWD_CONFIGS_FP32 = _configs([(128, 32, 8, 2), (64, 32, 4, 2)], PACK=False) + _configs([(128, 32, 8, 2)], PACK=True)
 _DKDV_CONFIGS_FP32 = _configs([(16, 64, 4, 2), (32, 64, 8, 2)])
 _DQ_CONFIGS_FP32 = _configs([(64, 16, 4, 2), (64, 32, 8, 2)])
-_KEY = ["N", "BH", "HEAD_DIM"]
+# GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
+# tile (nor the same K/V traffic).
+_KEY = ["N", "BH", "HEAD_DIM", "GROUP"]
+_PRUNE = {"early_config_prune": _prune_packing}
 
 _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
-    ("fwd", False): triton.autotune(_FWD_CONFIGS, key=_KEY)(_attn_fwd_kernel),
+    ("fwd", False): triton.autotune(_FWD_CONFIGS, key=_KEY, prune_configs_by=_PRUNE)(_attn_fwd_kernel),
     ("dkdv", False): triton.autotune(_DKDV_CONFIGS, key=_KEY)(_attn_bwd_dkdv_kernel),
     ("dq", False): triton.autotune(_DQ_CONFIGS, key=_KEY)(_attn_bwd_dq_kernel),
-    ("fwd", True): triton.autotune(_FWD_CONFIGS_FP32, key=_KEY)(_attn_fwd_kernel),
+    ("fwd", True): triton.autotune(_FWD_CONFIGS_FP32, key=_KEY, prune_configs_by=_PRUNE)(_attn_fwd_kernel),
     ("dkdv", True): triton.autotune(_DKDV_CONFIGS_FP32, key=_KEY)(_attn_bwd_dkdv_kernel),
     ("dq", True): triton.autotune(_DQ_CONFIGS_FP32, key=_KEY)(_attn_bwd_dq_kernel),
 }
@@ -416,18 +463,21 @@ def compiled_for_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _launch(kernel, name, grid, args, consts, blocks):
+def _launch(kernel, name, grid, args, consts, blocks, group=None):
     """Run the autotuned `name` kernel on CUDA unless `blocks` (or PINNED_BLOCKS) fixes the tiles; the plain
-    kernel otherwise."""
+    kernel otherwise. `grid` maps the tile constexprs (BLOCK_M, BLOCK_N, PACK) to the launch grid; `group`
+    (the forward's GROUP) resolves a fixed `blocks["PACK"]` with pack_heads."""
     blocks = blocks if blocks is not None else PINNED_BLOCKS
     if blocks is None and compiled_for_gpu(args[0]):
         tuned = _TUNED[name, args[0].dtype == torch.float32]
-        tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+        tuned[grid](*args, **consts)
     else:
         blocks = blocks or INTERPRET_BLOCKS
-        kernel[grid(blocks["BLOCK_M"], blocks["BLOCK_N"])](
-            *args, **consts, BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"],
-            num_warps=blocks.get("num_warps", 4), num_stages=blocks.get("num_stages", 2))
+        tiles = {"BLOCK_M": blocks["BLOCK_M"], "BLOCK_N": blocks["BLOCK_N"]}
+        if group is not None:
+            tiles["PACK"] = pack_heads(tiles["BLOCK_M"], blocks.get("PACK", False), group) > 1
+        kernel[grid(tiles)](*args, **consts, **tiles, num_warps=blocks.get("num_warps", 4),
+                            num_stages=blocks.get("num_stages", 2))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -485,6 +535,12 @@ def _check_out(out, *likes):
     return out
 
 
+def _fwd_grid(meta, N, B, HQ, group):
+    """cdiv(N, tokens per tile) * B * (Hq / heads per tile) programs (a packed tile holds `group` heads)."""
+    heads = group if meta.get("PACK") else 1
+    return flat_grid(triton.cdiv(N, meta["BLOCK_M"] // heads), B * HQ // heads)
+
+
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
     """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new, (B, N, Hq, D)-contiguous
     viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
@@ -496,11 +552,12 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     D0, D1 = _head_dim_chunks(D)
     o = _check_out((out,), q)[0] if out is not None else _empty_bnhd(q.shape, q.dtype, q.device)
     lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse, N, HQ, HQ // k.shape[1], scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q), UPCAST_DOT=not compiled_for_gpu(q))
+    group = HQ // k.shape[1]
+    args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
+    consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q),
+                  UPCAST_DOT=not compiled_for_gpu(q))
     check_image_elements(q, k, v, o)
-    _launch(_attn_fwd_kernel, "fwd", lambda bm, bn: flat_grid(triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    _launch(_attn_fwd_kernel, "fwd", lambda meta: _fwd_grid(meta, N, B, HQ, group), args, consts, blocks, group)
     return o, lse
 
 
@@ -530,11 +587,12 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
     consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not compiled_for_gpu(q))
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), B * HKV)
-    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda bm, bn: flat_grid(triton.cdiv(N, bn), B * HKV), args, consts,
-            blocks)
+    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_N"]), B * HKV), args,
+            consts, blocks)
     args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ)
-    _launch(_attn_bwd_dq_kernel, "dq", lambda bm, bn: flat_grid(triton.cdiv(N, bm), B * HQ), args, consts, blocks)
+    _launch(_attn_bwd_dq_kernel, "dq", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args,
+            consts, blocks)
     return dq, dk, dv
 
 

@@ -63,6 +63,29 @@ def test_5b_kernels_on_hopper(cuobjdump, tmp_path):
     assert attn["constexprs"]["HEAD_DIM"] == 76 and attn["grid"] == [25 * 8 * 32]
 
 
+def test_gqa_packed_forward_on_hopper(cuobjdump, tmp_path):
+    """GQA packing at 0.8b (D = 80, GQA 2: the most registers): the packed 256-row tile (128 tokens x 2 heads)
+    compiles to wgmma + cp.async without spills or local memory, and its launch reads half the K/V bytes of
+    the unpacked 128-row tile (one program per K/V head instead of per query head, same tokens' worth of rows
+    per K/V tile load)."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
+                          "--presets", "0.8b", "--blocks", "gqa2", "--only", "attn_fwd",
+                          "--cfg", "^(128x64w8s3|256x64w8s2p)$", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["constexprs"]["PACK"]: r for r in json.loads(out.read_text())["rows"]}
+    plain, packed = rows[False], rows[True]
+    assert (plain["constexprs"]["BLOCK_M"], packed["constexprs"]["BLOCK_M"]) == (128, 256)
+    assert packed["spill_store_bytes"] == packed["spill_load_bytes"] == packed["ldl"] == packed["stl"] == 0, packed
+    assert packed["hgmma"] > 0 and packed["ldgsts"] > 0 and packed["ldg_16bit"] == 0
+    assert (packed["query_heads_per_program"], packed["tokens_per_program"]) == (2, 128)
+    assert plain["grid"] == [25 * 8 * 16] and packed["grid"] == [25 * 8 * 8]  # N = 3081: 25 tiles, B = 8
+    assert packed["kv_bytes_per_program"] == plain["kv_bytes_per_program"] == 2 * 3081 * 80 * 2
+    assert packed["kv_bytes_total"] * 2 == plain["kv_bytes_total"]
+
+
 def test_sass_counting():
     sass_counts = load_inspect_kernels().sass_counts
 

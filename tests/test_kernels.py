@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
@@ -274,6 +275,60 @@ def test_attention_forward_backward(dtype, D, B, HQ, HKV, N):
     assert (lse.double() - lse_ref).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
 
 
+GQA_CASES = [case for case in ATTN_CASES if case[3] > case[4]]  # GQA ratios 2 and 4, D 64/80/76, fp32/bf16/fp16
+
+
+@pytest.mark.parametrize("dtype,D,B,HQ,HKV,N", GQA_CASES)
+def test_attention_forward_gqa_packed(dtype, D, B, HQ, HKV, N, monkeypatch):
+    """GQA packing (PACK): one program stacks the HQ / HKV query heads of a K/V head in its tile's rows
+    (16 rows: 8 tokens x 2 heads or 4 tokens x 4 heads, with a ragged last tile). Same tolerances as the
+    unpacked forward; the grid has one program per (token tile, K/V head), not per query head."""
+    import kernels.attention_triton as at
+
+    q, k, v = bnhd(B, HQ, N, D, dtype, 11), bnhd(B, HKV, N, D, dtype, 12), bnhd(B, HKV, N, D, dtype, 13)
+    scale = None if D != 80 else 0.3
+    grids = []
+    launch = at._launch
+    monkeypatch.setattr(at, "_launch", lambda kernel, name, grid, *a: launch(
+        kernel, name, lambda meta: grids.append((meta, grid(meta))) or grid(meta), *a))
+    o, lse = attention_fwd(q, k, v, scale, blocks=dict(BLOCKS, PACK=True), out=poisoned(q, "bhnd"))
+    (meta, grid), = grids
+    group, rows = HQ // HKV, BLOCKS["BLOCK_M"]
+    assert meta["PACK"] and grid == (triton.cdiv(N, rows // group) * B * HKV,)
+
+    leaves = [t.double() for t in (q, k, v)]
+    ref = attention_reference(*leaves, scale=scale)
+    assert not o.isnan().any(), "unwritten (NaN) elements"
+    err = rel_err(o, ref)
+    _record(f"attention packed {dtype} o rel err", err)
+    assert err <= ATTN_TOL[dtype][0], f"o: relative error {err:.3e}"
+    kr = leaves[1].repeat_interleave(group, dim=1)
+    s = leaves[0] @ kr.transpose(-1, -2) * (D ** -0.5 if scale is None else scale)
+    lse_ref = torch.logsumexp(s, dim=-1).reshape(B * HQ, N) / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    assert (lse.double() - lse_ref).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
+    if DEVICE == "cpu":  # rows are independent: stacking heads changes no row's arithmetic
+        o_plain, lse_plain = attention_fwd(q, k, v, scale, blocks=BLOCKS)
+        assert torch.equal(o, o_plain) and torch.equal(lse, lse_plain)
+
+
+def test_gqa_packing_only_where_the_group_divides_the_tile():
+    """pack_heads: the one rule for the grid and the kernel; the autotuner keeps packed configurations only
+    for GQA blocks whose GROUP divides BLOCK_M (their unpacked twins always stay)."""
+    from kernels.attention_triton import _FWD_CONFIGS, _prune_packing, pack_heads
+
+    assert [pack_heads(16, True, g) for g in (1, 2, 3, 4)] == [1, 2, 1, 4]
+    assert pack_heads(16, False, 2) == 1
+    packed = [c for c in _FWD_CONFIGS if c.kwargs.get("PACK")]
+    assert packed and len(packed) < len(_FWD_CONFIGS)
+    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=1) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=3) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=2) == _FWD_CONFIGS
+    # a GROUP that does not divide the tile falls back to one head per program (same values, plain grid)
+    q, kv = bnhd(1, 3, 20, 16, torch.float32, 40), bnhd(1, 1, 20, 16, torch.float32, 41)
+    o, _ = attention_fwd(q, kv, kv, blocks=dict(BLOCKS, PACK=True))
+    assert rel_err(o, attention_reference(q.double(), kv.double(), kv.double())) < ATTN_TOL[torch.float32][0]
+
+
 def test_attention_autograd_and_layout():
     """Through the autograd.Function: the output is (B, N, Hq, D) memory (the head merge is a free view),
     and gradients match the reference's, including a gradient that arrives in the merged-head layout."""
@@ -381,7 +436,6 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
 # GPU-only hazards, checked on small shapes: NaN bit patterns, int64 offsets, the grid limit
 # ----------------------------------------------------------------------------------------------------
 
-import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import grid_triton  # noqa: E402
@@ -450,7 +504,7 @@ def test_grid_has_no_65535_limit(monkeypatch):
     import kernels.attention_triton as at
 
     grids = []
-    monkeypatch.setattr(at, "_launch", lambda kernel, name, grid, *a: grids.append(grid(16, 16)))
+    monkeypatch.setattr(at, "_launch", lambda kernel, name, grid, *a: grids.append(grid({"BLOCK_M": 16, "BLOCK_N": 16})))
     q = torch.zeros(70_000, 1, 2, 16, device=DEVICE)
     at.attention_fwd(q, q, q)
     assert grids == [(70_000,)]
