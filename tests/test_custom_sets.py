@@ -208,3 +208,17 @@ def test_predict_refuses_openpose_for_a_set_it_cannot_map_before_any_image(own_s
     coco = json.loads((tmp_path / "coco_keypoints.json").read_text())[0]["keypoints"]
     written = json.loads((tmp_path / "a.pose.json").read_text())
     assert written["keypoint_names"] == list(OWN5) and len(coco) == 15
+
+
+def test_predict_renders_a_coco17_models_overlay_and_openpose_with_its_names(own_set_run):
+    """render() hands the model's names to the drawing and OpenPose (a 308 skeleton over labels 0..16 would
+    link face points)."""
+    _, _, pose, _ = own_set_run
+    loaded = predict.LoadedModel(weights.load(pose), str(pose))
+    image = torch.zeros(3, 100, 100, dtype=torch.uint8)
+    result = {"pose": {"people": [coco17_person()], "box_source": "boxes", "detector_scores": None}}
+    made = predict.render("pose", predict.InputImage(pose, "a.png"), image, result, loaded)
+    expected = processing.draw_pose(image, [coco17_person()], names=COCO17)
+    assert np.array_equal(np.array(made[".pose_overlay.jpg"]()), np.array(expected))
+    assert (np.array(expected) != np.array(processing.draw_pose(image, [coco17_person()]))).any()
+    assert made["_keypoints.json"]() == formats.openpose_json([coco17_person()], COCO17)
