@@ -20,16 +20,18 @@ from metadata import DATA_DIR, keypoint_metadata
 
 OPENPOSE_VERSION = 1.3  # the layout below: people[] with person_id and the *_keypoints_2d / *_3d arrays
 OPENPOSE_PARTS = ("pose_keypoints_2d", "face_keypoints_2d", "hand_left_keypoints_2d", "hand_right_keypoints_2d")
-COCO_FORMATS = ("coco17", "coco_wholebody", "keypoints308")
+COCO_FORMATS = ("coco17", "coco_wholebody", "keypoints308", "model")
 DEPTH16_SCALE = 1000.0  # depth16 PNGs hold millimetres
 
 
 # ----------------------------------------------------------------------------------------------------
 # People: predict.py's person dicts <-> arrays in the 308-keypoint order
 # ----------------------------------------------------------------------------------------------------
-def keypoint_arrays(person: dict, key: str = "keypoints") -> tuple[np.ndarray, np.ndarray]:
-    """(308, 2) xy and (308,) scores of a person; keypoints a result lacks (thresholded away) are 0, 0, 0."""
-    count = keypoint_metadata()["num_keypoints"]
+def keypoint_arrays(person: dict, key: str = "keypoints", count: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(K, 2) xy and (K,) scores of a person, K = `count` (the model's keypoints; None: the 308); keypoints a
+    result lacks (thresholded away) are 0, 0, 0."""
+    count = count or keypoint_metadata()["num_keypoints"]
     xy, scores = np.zeros((count, 2), np.float64), np.zeros(count, np.float64)
     labels = person["labels"].cpu().numpy() if "labels" in person else np.arange(count)
     xy[labels] = torch.as_tensor(person[key]).float().cpu().numpy()
@@ -37,10 +39,10 @@ def keypoint_arrays(person: dict, key: str = "keypoints") -> tuple[np.ndarray, n
     return xy, scores
 
 
-def at_file_precision(person: dict) -> dict:
+def at_file_precision(person: dict, count: int | None = None) -> dict:
     """A person rounded as pose.json writes it (0.01 px, scores to 4 decimals), so what is computed from a
     fresh result and from its file read back is the same to the last digit."""
-    xy, scores = keypoint_arrays(person)
+    xy, scores = keypoint_arrays(person, count=count)
     return {"keypoints": torch.tensor([[round(x, 2), round(y, 2)] for x, y in xy.tolist()], dtype=torch.float64),
             "scores": torch.tensor([round(s, 4) for s in scores.tolist()], dtype=torch.float64),
             "labels": torch.arange(len(scores)),
@@ -66,22 +68,46 @@ def people_from_pose_json(data: dict) -> list[dict]:
 # OpenPose: NAME_keypoints.json
 # ----------------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
-def openpose_table() -> dict[str, list[list[int]]]:
-    """data/openpose.json as indices: per OpenPose part, per point, the 308-keypoint indices it is the mean of
-    (empty: Sapiens2 has no such point). An unknown name is an error naming it."""
+def openpose_table(names: tuple[str, ...] | None = None) -> dict[str, list[list[int]]]:
+    """data/openpose.json as indices: per OpenPose part, per point, the keypoint indices it is the mean of
+    (empty: Sapiens2 has no such point). An unknown name is an error naming it. `names`: a model's own keypoint
+    set (None: the 308), indexed by name; a point whose sources it lacks is empty (written as 0, 0, 0)."""
     table = json.loads((DATA_DIR / "openpose.json").read_text())
     index = {name: i for i, name in enumerate(keypoint_metadata()["keypoint_names"])}
+    own = index if names is None else {name: i for i, name in enumerate(names)}
     parts = {}
     for part in OPENPOSE_PARTS:
         rows = []
         for label, source in table[part]:
-            names = [] if source is None else [source] if isinstance(source, str) else list(source)
-            unknown = [name for name in names if name not in index]
+            sources = [] if source is None else [source] if isinstance(source, str) else list(source)
+            unknown = [name for name in sources if name not in index]
             if unknown:
                 raise ValueError(f"data/openpose.json: {part} {label}: {unknown} are not keypoints308 names")
-            rows.append([index[name] for name in names])
+            rows.append([own[name] for name in sources] if all(name in own for name in sources) else [])
         parts[part] = rows
     return parts
+
+
+def unsupported_keypoints(save: str, keypoint_format: str, names: tuple[str, ...]) -> str | None:
+    """Why `--save openpose|coco` cannot be written for a pose model with these keypoint names, or None.
+    OpenPose's BODY_25 and COCO's body need COCO's 17 body keypoints (found by name: the 308 set has them, a
+    COCO-17 fine-tune is them); --coco-format keypoints308 needs the 308 set; --coco-format model writes any set."""
+    names308 = tuple(keypoint_metadata()["keypoint_names"])
+    if names == names308 or (save == "coco" and keypoint_format == "model"):
+        return None
+    what = f"the pose model has its own {len(names)} keypoints ({_first(names, 4)})"
+    if save == "coco" and keypoint_format == "keypoints308":
+        return f"--save coco --coco-format keypoints308: {what}, not the 308; use --coco-format model"
+    missing = [name for name in processing.coco17_names() if name not in names]
+    if not missing:
+        return None
+    fix = "use --coco-format model (its own keypoints)" if save == "coco" else "NAME.pose.json has its keypoints"
+    flag = f"--save coco --coco-format {keypoint_format}" if save == "coco" else "--save openpose"
+    return f"{flag}: {what}, which lack COCO's body keypoints {_first(missing, 3)}; {fix}"
+
+
+def _first(names, count: int) -> str:
+    return ", ".join(names[:count]) + (", ..." if len(names) > count else "")
 
 
 def openpose_values(xy: np.ndarray, scores: np.ndarray, rows: list[list[int]]) -> list[float]:
@@ -96,12 +122,14 @@ def openpose_values(xy: np.ndarray, scores: np.ndarray, rows: list[list[int]]) -
     return values
 
 
-def openpose_json(people: list[dict]) -> dict:
+def openpose_json(people: list[dict], names: tuple[str, ...] | None = None) -> dict:
     """OpenPose's --write_json layout for one image. person_id is the track id in videos, else -1 (as
-    OpenPose writes without tracking). Scores are Sapiens2's heatmap maxima, not thresholded."""
-    table, entries = openpose_table(), []
+    OpenPose writes without tracking). Scores are Sapiens2's heatmap maxima, not thresholded. `names`: the
+    model's keypoint names (None: the 308); points it lacks are 0, 0, 0 (`unsupported_keypoints` first)."""
+    names = None if names is None else tuple(names)
+    table, entries = openpose_table(names), []
     for person in people:
-        xy, scores = keypoint_arrays(person)
+        xy, scores = keypoint_arrays(person, count=None if names is None else len(names))
         entry = {"person_id": [int(person.get("track_id", -1))]}
         for part in OPENPOSE_PARTS:
             entry[part] = openpose_values(xy, scores, table[part])
@@ -122,14 +150,16 @@ class CocoResults:
     image_id: the number in the file name when every image has one (COCO's own `000000397133.jpg`, video
     frames `000012`) and they are distinct, else the position of the image in the sorted file names."""
 
-    def __init__(self, keypoint_format: str = "coco17"):
+    def __init__(self, keypoint_format: str = "coco17", names: tuple[str, ...] | None = None):
         if keypoint_format not in COCO_FORMATS:
             raise ValueError(f"COCO keypoint format must be one of {', '.join(COCO_FORMATS)}, got {keypoint_format!r}")
         self.keypoint_format = keypoint_format
+        self.names = tuple(names) if names is not None else tuple(keypoint_metadata()["keypoint_names"])
         self.images: dict[str, tuple[str, list[dict]]] = {}  # output name -> (image file, entries without id)
 
     def add(self, name: str, image_file: str, people: list[dict]):
-        entries = processing.pose_to_coco([[at_file_precision(p) for p in people]], [0], self.keypoint_format)
+        entries = processing.pose_to_coco([[at_file_precision(p, len(self.names)) for p in people]], [0],
+                                          self.keypoint_format, names=self.names)
         for entry in entries:
             del entry["image_id"]
             entry["bbox"] = [round(v, 2) for v in entry["bbox"]]

@@ -737,13 +737,14 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
     value, mask = result[task], result["mask"] if task in MASKED_TASKS else None
     vis = stamp_random if loaded.random else (lambda picture: picture)
     if task == "seg":
+        classes = loaded.model.head_config.out_channels  # a fine-tune's own count: its own palette
         return {".seg.png": lambda: Image.fromarray(value.to(torch.uint8).numpy()),
-                ".seg_overlay.jpg": lambda: vis(processing.overlay_segmentation(image, value))}
+                ".seg_overlay.jpg": lambda: vis(processing.overlay_segmentation(image, value, num_classes=classes))}
     if task == "pose":
-        names = loaded.model.head_config.labels  # a keypoint set of your own (train.py, id2label), else the 308
+        names = keypoint_names(loaded.model)
         return {".pose.json": lambda: pose_json(item, image, value, names),
-                ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"])),
-                "_keypoints.json": lambda: formats.openpose_json(value["people"])}
+                ".pose_overlay.jpg": lambda: vis(processing.draw_pose(image, value["people"], names=names)),
+                "_keypoints.json": lambda: formats.openpose_json(value["people"], names)}
     if task == "normal":
         return {".normal.npy": lambda: hwc_array(value, mask),
                 ".normal.png": lambda: vis(processing.normals_to_image(value, mask))}
@@ -779,12 +780,25 @@ def depth_picture(depth: torch.Tensor, mask: torch.Tensor | None) -> Image.Image
     return processing.depth_to_image(depth, mask)
 
 
+def keypoint_names(model) -> tuple[str, ...]:
+    """A pose model's keypoint names: its own (train.py, id2label), else the 308's (a 308-channel model),
+    else keypoint_0, keypoint_1, ... (a checkpoint without names)."""
+    config = model.head_config
+    if config.labels is not None:
+        return tuple(config.labels)
+    names308 = keypoint_metadata()["keypoint_names"]
+    return tuple(names308) if config.out_channels == len(names308) else tuple(
+        f"keypoint_{k}" for k in range(config.out_channels))
+
+
 def pose_json(item: InputImage, image: torch.Tensor, value: dict, names=None) -> dict:
     """Boxes xyxy, keypoints [x, y, score] x 308 (or x the model's own `names`) in image pixels; score = mean
     keypoint score above 0.2."""
+    names = tuple(names or keypoint_metadata()["keypoint_names"])
     people = []
-    for i, (person, entry) in enumerate(zip(value["people"], processing.pose_to_coco([value["people"]], [0]))):
-        flat = entry["keypoints"][: 3 * len(names)] if names else entry["keypoints"]  # [x0, y0, s0, x1, ...]
+    for i, (person, entry) in enumerate(zip(value["people"],
+                                            processing.pose_to_coco([value["people"]], [0], "model", names=names))):
+        flat = entry["keypoints"]  # [x0, y0, s0, x1, ...] in the model's order
         keypoints = [[round(x, 2), round(y, 2), round(s, 4)] for x, y, s in zip(flat[0::3], flat[1::3], flat[2::3])]
         people.append({"box": [round(v, 2) for v in person["bbox"].tolist()], "score": round(entry["score"], 4),
                        "keypoints": keypoints, **tracking.json_fields(person)})  # video: track_id, keypoints_raw
@@ -792,7 +806,7 @@ def pose_json(item: InputImage, image: torch.Tensor, value: dict, names=None) ->
             people[-1]["detector_score"] = round(value["detector_scores"][i], 4)
     return {"image": item.relative, "width": int(image.shape[-1]), "height": int(image.shape[-2]),
             "box_source": value["box_source"], "people": people,
-            "keypoint_names": list(names) if names else keypoint_metadata()["keypoint_names"]}
+            "keypoint_names": list(names)}
 
 
 def stamp_random(picture: Image.Image) -> Image.Image:
@@ -1157,7 +1171,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "depth16 (NAME.depth16.png, mm); default: raw,json,vis")
     parser.add_argument("--coco-format", choices=formats.COCO_FORMATS, default="coco17",
                         help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), "
-                             "keypoints308")
+                             "keypoints308, model (the pose model's own keypoints, for a fine-tune with its own set)")
     clips = parser.add_argument_group("videos (.mp4 .mov .avi .mkv .webm .m4v inputs; needs PyAV: pip install av)")
     clips.add_argument("--every", type=int, default=1, metavar="N", help="every Nth frame (default: all)")
     clips.add_argument("--start", type=int, default=0, metavar="S", help="first frame index (zero-based)")
@@ -1272,12 +1286,14 @@ def run(args, argv: list[str]) -> int:
     detector = load_detector(args, tasks, device, dtype)  # before the models: its fallback needs seg
     models = load_models(args, tasks, device, dtype)
     check_size_fits(args.size, models)
+    check_keypoint_formats(args, models)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
                   args.mask_with_seg, boxes, names=names, warnings=warnings, detector=detector,
                   seg_boxes=detector is None and args.detector != "none",
-                  coco=formats.CocoResults(args.coco_format) if coco else None, resample=args.resample)
+                  coco=formats.CocoResults(args.coco_format, keypoint_names(models["pose"].model)) if coco else None,
+                  resample=args.resample)
     mine = shard(items, rank, world)
     clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
     if args.skip_existing and (removed := remove_stale_temporaries(out)):
@@ -1360,6 +1376,16 @@ def renamed_notes(names: dict[InputImage, str]) -> list[str]:
     shown = ", ".join(f"{relative} -> {name}.*" for relative, name in renamed[:4])
     return [f"{len(renamed)} inputs would write the same outputs as another; named apart: {shown}"
             + (", ..." if len(renamed) > 4 else "")]
+
+
+def check_keypoint_formats(args, models: dict[str, LoadedModel]):
+    """--save openpose / coco against the pose model's own keypoint set, before any image (formats.py)."""
+    if "pose" not in models:
+        return
+    names = keypoint_names(models["pose"].model)
+    for save in ("openpose", "coco"):
+        if save in args.save and (problem := formats.unsupported_keypoints(save, args.coco_format, names)):
+            raise UsageError(problem)
 
 
 def check_size_fits(size: tuple[int, int] | None, models: dict[str, LoadedModel]):

@@ -828,16 +828,20 @@ def to_pil(image) -> Image.Image:
 
 
 def draw_pose(image, people: list[dict], keypoint_set: str = "308", threshold: float = 0.3,
-              radius: int | None = None, thickness: int | None = None) -> Image.Image:
+              radius: int | None = None, thickness: int | None = None, names: Sequence[str] | None = None
+              ) -> Image.Image:
     """Skeleton over the image with the original colours (links then keypoints; only points with
     score > threshold, as `kpt_thr` in vis_pose.py). `keypoint_set="coco17"` draws the 17 COCO body keypoints
     and the links of the 308 skeleton between them. Radius/thickness default to ~0.5% of the image size.
+    `names`: the keypoint names of a model with a set of its own (people's labels index them; `keypoint_set`
+    is then ignored): the 308 names draw the 308 skeleton, exactly COCO's 17 names the COCO-17 one, any other
+    set its points only (distinct colours), as no skeleton is known for it.
     """
     canvas = to_pil(image).copy()
     draw = ImageDraw.Draw(canvas)
     radius = radius or max(2, round(min(canvas.size) / 200))
     thickness = thickness or max(1, radius // 2)
-    links, link_colors, point_ids, point_colors = _skeleton(keypoint_set)
+    links, link_colors, point_ids, point_colors = _skeleton(keypoint_set) if names is None else _skeleton_of(names)
     for person in people:
         points = _visible_points(person, threshold)
         for (a, b), color in zip(links, link_colors):
@@ -863,26 +867,77 @@ def _skeleton(keypoint_set: str):
     raise ValueError(f"keypoint_set must be '308' or 'coco17', got {keypoint_set!r}")
 
 
+def coco17_names() -> tuple[str, ...]:
+    """COCO's 17 body keypoint names in COCO order (nose, left_eye, ...), as the 308 set spells them."""
+    return tuple(keypoint_metadata()["keypoint_names"][k] for k in coco17_indices())
+
+
+def _skeleton_of(names: Sequence[str]):
+    """`_skeleton` in the indexing of a model's own keypoint `names`."""
+    names = tuple(names)
+    if names == tuple(keypoint_metadata()["keypoint_names"]):
+        return _skeleton("308")
+    if names == coco17_names():
+        links, link_colors, ids, colors = _skeleton("coco17")
+        position = {k: i for i, k in enumerate(ids)}  # 308 index -> COCO index
+        return [[position[a], position[b]] for a, b in links], link_colors, range(len(ids)), colors
+    return [], [], range(len(names)), distinct_colors(len(names))  # no known skeleton: points only
+
+
+def distinct_colors(count: int) -> list[tuple[int, int, int]]:
+    """`count` deterministic, pairwise distinct RGB colours: hues a golden-ratio step apart, three brightness
+    levels (distinct up to 4096 colours)."""
+    colors, seen = [], set()
+    for i in range(10 * count + 100):
+        if len(colors) == count:
+            break
+        hue, value = (i * 0.6180339887) % 1.0, (1.0, 0.75, 0.5)[(i // 7) % 3]
+        color = tuple(round(255 * c) for c in _hsv_to_rgb(hue, 0.75, value))
+        if color not in seen:
+            seen.add(color)
+            colors.append(color)
+    if len(colors) < count:
+        raise ValueError(f"cannot make {count} distinct colours")
+    return colors
+
+
+def _hsv_to_rgb(h: float, s: float, v: float) -> tuple[float, float, float]:
+    i, f = int(h * 6) % 6, (h * 6) % 1
+    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
+    return [(v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q)][i]
+
+
+def segmentation_palette(num_classes: int = 29) -> list[tuple[int, int, int]]:
+    """One RGB colour per class: the released palette for the released 29 classes, else `distinct_colors`
+    (a fine-tune's classes are not the released ones, so they do not borrow their colours)."""
+    colors = segmentation_metadata()["palette_rgb"]
+    return [tuple(c) for c in colors] if num_classes == len(colors) else distinct_colors(num_classes)
+
+
 def _visible_points(person: dict, threshold: float) -> dict[int, tuple[float, float]]:
     keypoints, scores, labels = (person[k].detach().cpu().tolist() for k in ("keypoints", "scores", "labels"))
     return {int(k): tuple(xy) for k, xy, s in zip(labels, keypoints, scores) if s > threshold}
 
 
-def colorize_segmentation(segmentation: torch.Tensor) -> torch.Tensor:
-    """`(H, W)` class ids -> `(3, H, W)` uint8 palette colours (ids outside the palette are black)."""
-    palette = torch.zeros(256, 3, dtype=torch.uint8, device=segmentation.device)
-    colors = segmentation_metadata()["palette_rgb"]
-    palette[: len(colors)] = torch.tensor(colors, dtype=torch.uint8, device=segmentation.device)
-    return palette[segmentation.long().clamp(0, 255)].permute(2, 0, 1)
+def colorize_segmentation(segmentation: torch.Tensor, num_classes: int = 29) -> torch.Tensor:
+    """`(H, W)` class ids -> `(3, H, W)` uint8 colours of `segmentation_palette(num_classes)` (ids outside
+    [0, num_classes) are black)."""
+    colors = torch.tensor(segmentation_palette(num_classes), dtype=torch.uint8, device=segmentation.device)
+    palette = torch.cat([colors, torch.zeros(1, 3, dtype=torch.uint8, device=segmentation.device)])
+    ids = segmentation.long()
+    ids = torch.where((ids >= 0) & (ids < num_classes), ids, num_classes)  # outside: the black last row
+    return palette[ids].permute(2, 0, 1)
 
 
-def overlay_segmentation(image, segmentation: torch.Tensor, opacity: float = 0.5) -> Image.Image:
+def overlay_segmentation(image, segmentation: torch.Tensor, opacity: float = 0.5, num_classes: int = 29
+                         ) -> Image.Image:
     """Palette colours blended over the image, `(1 - opacity) * image + opacity * colour`, rounded
-    (cv2.addWeighted in the original SegVisualizer, opacity 0.5)."""
+    (cv2.addWeighted in the original SegVisualizer, opacity 0.5). `num_classes`: the model's class count
+    (`segmentation_palette`)."""
     image = load_image(image).float().to(segmentation.device)
     if image.shape[-2:] != segmentation.shape[-2:]:
         raise ValueError(f"image is {tuple(image.shape[-2:])} but the segmentation is {tuple(segmentation.shape)}")
-    blended = (1 - opacity) * image + opacity * colorize_segmentation(segmentation).float()
+    blended = (1 - opacity) * image + opacity * colorize_segmentation(segmentation, num_classes).float()
     return to_pil(blended.round().clamp(0, 255).to(torch.uint8))
 
 
@@ -948,7 +1003,8 @@ WHOLEBODY_PARTS = {"keypoints": (0, 17), "foot_kpts": (17, 23), "face_kpts": (23
 
 
 def pose_to_coco(results: list[list[dict]], image_ids: Sequence[int], keypoint_format: str = "keypoints308",
-                 category_id: int = 1, score_threshold: float = 0.2) -> list[dict]:
+                 category_id: int = 1, score_threshold: float = 0.2, names: Sequence[str] | None = None
+                 ) -> list[dict]:
     """Pose results -> COCO keypoint-detection results (JSON-serialisable list of dicts).
 
     keypoint_format: "keypoints308" (all 308), "coco17" (COCO body), or "coco_wholebody" (133 keypoints split
@@ -956,14 +1012,18 @@ def pose_to_coco(results: list[list[dict]], image_ids: Sequence[int], keypoint_f
     reads them). Each keypoint is `[x, y, score]`; keypoints the 308 set lacks (most of the 68 WholeBody face
     points) or that were thresholded away are `[0, 0, 0]`. The person score is the mean of the keypoint scores
     above `score_threshold` (mmpose's rescoring without a detector score); bbox is xywh.
+    `names`: the model's keypoint names (None: the 308); people's labels index them, and the exported points
+    are found by name (a point the model lacks is `[0, 0, 0]`). keypoint_format "model": the model's own
+    keypoints in its order (the 308 for the released model).
     """
     if len(image_ids) != len(results):
         raise ValueError(f"{len(results)} images of results but {len(image_ids)} image ids")
-    source_ids = _export_indices(keypoint_format)
+    names = tuple(names) if names is not None else tuple(keypoint_metadata()["keypoint_names"])
+    source_ids = export_indices(keypoint_format, names)
     entries = []
     for image_id, people in zip(image_ids, results):
         for person in people:
-            table = _full_keypoint_table(person)  # (308, 3)
+            table = _full_keypoint_table(person, len(names))  # (K, 3)
             picked = [table[i] if i >= 0 else [0.0, 0.0, 0.0] for i in source_ids]
             scores = [s for _, _, s in picked if s > score_threshold]
             x0, y0, x1, y1 = person["bbox"].tolist()
@@ -978,6 +1038,16 @@ def pose_to_coco(results: list[list[dict]], image_ids: Sequence[int], keypoint_f
     return entries
 
 
+def export_indices(keypoint_format: str, names: Sequence[str]) -> list[int]:
+    """For each exported keypoint, its index among the model's keypoint `names` (-1: the model has no such
+    point)."""
+    if keypoint_format == "model":
+        return list(range(len(names)))
+    position = {name: i for i, name in enumerate(names)}
+    names308 = keypoint_metadata()["keypoint_names"]
+    return [position.get(names308[k], -1) if k >= 0 else -1 for k in _export_indices(keypoint_format)]
+
+
 def _export_indices(keypoint_format: str) -> list[int]:
     """For each exported keypoint, its index among the 308 (-1 where the 308 set has no such point)."""
     if keypoint_format == "keypoints308":
@@ -987,11 +1057,12 @@ def _export_indices(keypoint_format: str) -> list[int]:
     if keypoint_format == "coco_wholebody":
         mapping = dict(keypoint_metadata()["coco_wholebody_to_keypoints308"])
         return [mapping.get(i, -1) for i in range(133)]
-    raise ValueError(f"keypoint_format must be 'keypoints308', 'coco17' or 'coco_wholebody', got {keypoint_format!r}")
+    raise ValueError(f"keypoint_format must be 'keypoints308', 'coco17', 'coco_wholebody' or 'model', "
+                     f"got {keypoint_format!r}")
 
 
-def _full_keypoint_table(person: dict) -> list[list[float]]:
-    table = [[0.0, 0.0, 0.0] for _ in range(keypoint_metadata()["num_keypoints"])]
+def _full_keypoint_table(person: dict, count: int) -> list[list[float]]:
+    table = [[0.0, 0.0, 0.0] for _ in range(count)]
     for k, (x, y), s in zip(person["labels"].tolist(), person["keypoints"].tolist(), person["scores"].tolist()):
         table[k] = [x, y, s]
     return table
