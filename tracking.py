@@ -156,9 +156,11 @@ class Tracker:
             person["keypoints"] = smoothed  # what the file says
 
     def similarity(self, track: Track, box, keypoints, scores) -> float:
+        iou = box_iou(track.box, box)
+        if len(keypoints) != len(self.sigmas):  # a keypoint set of your own (train.py): no sigmas, boxes only
+            return iou
         area = (track.box[2] - track.box[0]) * (track.box[3] - track.box[1])
-        oks = keypoint_similarity(track.keypoints, track.scores, keypoints, scores, area, self.sigmas)
-        return max(box_iou(track.box, box), oks)
+        return max(iou, keypoint_similarity(track.keypoints, track.scores, keypoints, scores, area, self.sigmas))
 
     def new_track(self, track_id: int | None = None) -> Track:
         track_id = self.next_id if track_id is None else track_id

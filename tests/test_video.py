@@ -334,3 +334,16 @@ def test_without_pyav_the_message_says_how_to_install_it(checkpoints, tmp_path, 
     err = capsys.readouterr().err
     assert "clip.mp4" in err and "reading and writing videos needs PyAV: pip install av" in err
     assert not out.exists()  # nothing written
+
+
+def test_tracker_follows_a_custom_keypoint_set_by_boxes():
+    """A 17-keypoint model (train.py) has no 308 sigmas: people are matched by their boxes."""
+    tracker = tracking.Tracker(30.0)
+    def person(x):
+        return {"bbox": torch.tensor([x, 10.0, x + 40.0, 110.0]), "keypoints": torch.full((17, 2), x + 20.0),
+                "scores": torch.ones(17)}
+    first = [person(0.0), person(100.0)]
+    tracker.update(0, first)
+    second = [person(104.0), person(3.0)]  # moved a little, listed in the other order
+    tracker.update(1, second)
+    assert [p["track_id"] for p in second] == [first[1]["track_id"], first[0]["track_id"]]
