@@ -219,7 +219,7 @@ def new_head_config(task: str, out_channels: int, config, widths, like: heads.He
             extra = dict(scale_conv_channels=widths[2], scale_hidden=widths[3])
         return heads.HeadConfig(task, widths[0], widths[1], out_channels, **extra)
     if like is not None:
-        return replace(like, out_channels=out_channels)
+        return replace(like, out_channels=out_channels, labels=None, flip_pairs=None)  # the data's: build_model
     size = preset_size(config)
     table = heads.HEAD_TABLE[task] if size in heads.HEAD_TABLE[task] else heads.HEAD_TABLE["normal"]
     if size not in table:
