@@ -139,3 +139,21 @@ def test_a_head_with_outputs_below_the_target_size_is_refused_before_training(tm
     err = capsys.readouterr().err
     assert f"{hf_dir}: this seg head has 2 upsampling layers" in err and "--head 16,16,16,16:16" in err, err
     assert fine_tune(data, tmp_path / "run2", hf_dir, "--head", "16,16,16,16:16") == 0  # the way out it names
+
+
+def test_pose_run_fine_tunes_on_another_keypoint_set(trained, tmp_path):
+    """A new head shaped like the checkpoint's (17 named keypoints) for 15 keypoints gets the data's names."""
+    data = make_dataset("pose", tmp_path / "data")
+    for split in ("train", "val"):
+        path = data / split / "annotations.json"
+        coco = json.loads(path.read_text())
+        for annotation in coco["annotations"]:
+            annotation["keypoints"] = annotation["keypoints"][: 3 * 15]
+        category = coco["categories"][0]
+        category.update(keypoints=COCO17[:15], sigmas=category["sigmas"][:15])
+        path.write_text(json.dumps(coco))
+    out = tmp_path / "run"
+    assert train.main(["pose", "--data", str(data), "-o", str(out), "--model", str(trained["pose"]), "--steps", "1",
+                       "--workers", "0", "--no-progress", "--no-augment", "--batch-size", "4"]) == 0
+    model = weights.load(out)
+    assert model.labels == tuple(COCO17[:15]) and model.head_config.flip_pairs == tuple(COCO17_PAIRS[:7])
