@@ -80,6 +80,10 @@ def test_trained_model_exports(task, fmt, trained, tmp_path, capsys):
     assert "max relative difference vs eager" in differences and path.exists()
     measured = float(re.search(r"(?:logits|heatmaps) (\S+)", differences)[1])
     assert measured < 1e-4  # tiny models are held to 1e-4, as in test_export (export.py's own bound: 2e-3)
+    if fmt == "onnx":  # the names travel inside the artifact (a user of the .onnx needs the class/keypoint order)
+        import onnx
+        info = json.loads({p.key: p.value for p in onnx.load(str(path)).metadata_props}["sapiens2"])
+        assert info["head_config"]["labels"] == (SEG_NAMES if task == "seg" else COCO17)
 
 
 def test_export_takes_predicts_conventions(trained, tmp_path, capsys):
