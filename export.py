@@ -1,7 +1,7 @@
 """Export a Sapiens2 model as a deployable artifact, and check it against eager PyTorch before keeping it.
 
     python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16]
-                     [--dynamic-batch]
+                     [--dynamic-batch] [--conventions original|transformers]
     python export.py features --model 1b --format torch-export -o backbone-1b.pt2
 
 The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `processing.preprocess` makes it (any
@@ -51,7 +51,7 @@ from torch import nn
 
 import heads
 import weights
-from predict import model_source
+from predict import CONVENTIONS, model_source
 from sapiens2 import Sapiens2
 
 TASKS = ("pose", "seg", "normal", "pointmap", "matting", "albedo", "features")
@@ -356,8 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["fp32", "float32", "fp16", "float16", "bf16", "bfloat16"], default="fp32",
                         help="weights and compute (the input stays float32); ONNX: fp32 or fp16")
     parser.add_argument("--dynamic-batch", action="store_true", help="a dynamic batch axis (default: batch 1)")
-    parser.add_argument("--rope", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="RoPE precision: bfloat16 as trained (default); float32 as HF transformers")
+    parser.add_argument("--conventions", choices=list(CONVENTIONS), default="original",
+                        help="as predict.py: original = RoPE in bf16 as trained (default); transformers = RoPE in "
+                             "fp32 as HF transformers. Preprocessing is outside the artifact: make its input with "
+                             "processing.preprocess(..., resample='hf') for the transformers conventions")
     return parser
 
 
@@ -382,7 +384,8 @@ def export(args) -> dict[str, float]:
     path = args.output
     check_output_path(path, args.format)
     source = model_source(args.task, args.model, {})  # a size (0.4b) means the task's released checkpoint
-    model = load_model(args.task, source, dtype, args.rope)
+    rope = CONVENTIONS[args.conventions]["rope"]
+    model = load_model(args.task, source, dtype, rope)
     size = tuple(args.size or backbone_of(model).config.image_size)
     check_size(model, args.task, size)
     wrapper = ExportWrapper(model, args.task).eval()
@@ -393,13 +396,13 @@ def export(args) -> dict[str, float]:
     info = describe(args.task, source, model, size, dtype, args.dynamic_batch)
     with staging_folder(path) as staging:
         print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
-              f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {args.rope}) to {args.format} ...",
+              f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {rope}) to {args.format} ...",
               file=sys.stderr)
         write(wrapper, example, staging / path.name, args.dynamic_batch, info)
         differences = compare(run(staging / path.name, example), expected)
-        bound = tolerance(dtype, args.rope)
+        bound = tolerance(dtype, rope)
         summary = ", ".join(f"{name} {d:.2e}" for name, d in differences.items())
-        print(f"max relative difference vs eager ({info['dtype']}, RoPE {args.rope}, tolerance {bound:.0e}): {summary}")
+        print(f"max relative difference vs eager ({info['dtype']}, RoPE {rope}, tolerance {bound:.0e}): {summary}")
         if not all(d <= bound for d in differences.values()):  # (NaN fails too)
             raise CheckFailed(f"the {args.format} artifact differs from eager by more than {bound:.0e}: "
                               f"{path} not written")

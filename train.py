@@ -219,7 +219,7 @@ def new_head_config(task: str, out_channels: int, config, widths, like: heads.He
             extra = dict(scale_conv_channels=widths[2], scale_hidden=widths[3])
         return heads.HeadConfig(task, widths[0], widths[1], out_channels, **extra)
     if like is not None:
-        return replace(like, out_channels=out_channels)
+        return replace(like, out_channels=out_channels, labels=None, flip_pairs=None)  # the data's: build_model
     size = preset_size(config)
     table = heads.HEAD_TABLE[task] if size in heads.HEAD_TABLE[task] else heads.HEAD_TABLE["normal"]
     if size not in table:
@@ -228,6 +228,19 @@ def new_head_config(task: str, out_channels: int, config, widths, like: heads.He
                          f"--head UPSAMPLE:CONV, e.g. --head 256,128:64,32")
     upsample, conv = table[size]
     return heads.HeadConfig(task, upsample, conv, out_channels, **extra)
+
+
+def check_output_resolution(head: heads.HeadConfig, patch_size: int, source):
+    """The targets are at the input size (pose heatmaps at 1/4 of it), as the released heads' outputs; a head
+    with fewer upsampling layers (loadable, e.g. from transformers) cannot be trained against them."""
+    wanted = patch_size // 4 if head.task == "pose" else patch_size  # upsampling of the H/16 x W/16 tokens
+    layers = len(head.upsample_channels)  # each doubles H and W
+    if 2 ** layers != wanted:
+        raise ModelError(f"{source}: this {head.task} head has {layers} upsampling layers, its outputs are at "
+                         f"{2 ** layers}/{patch_size} of the input size; training needs {wanted.bit_length() - 1} "
+                         f"(outputs at {'1/4 of ' if head.task == 'pose' else ''}the input size, where the targets "
+                         f"are): start a new head with --head UPSAMPLE:CONV, e.g. --head "
+                         f"{','.join(['16'] * (wanted.bit_length() - 1))}:16")
 
 
 def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
@@ -255,8 +268,11 @@ def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
                f"the checkpoint's head has {old_head.out_channels} outputs, the data {K}" if old_head.out_channels != K else
                f"the pointmap scale branch is tied to the image size {backbone.config.image_size}")
         why = f"new {args.task} head with {K} outputs: {why}"
+    check_output_resolution(head_config, config.patch_size, "--head" if args.head is not None else source)
     if args.task == "pose":  # the keypoint set travels with the model (predict.py's flip test and pose.json)
         head_config = replace(head_config, labels=info["keypoint_names"], flip_pairs=info["flip_pairs"])
+    elif args.task == "seg":  # so do the class names (weights.load -> model.labels, id2label in config.json)
+        head_config = replace(head_config, labels=info["class_names"])
     # Reuse the loaded modules (one copy of the weights in memory, even for 5b): the task model is built on
     # the meta device and gets the loaded backbone, and the loaded head or a new one.
     with torch.device("meta"):
@@ -427,8 +443,6 @@ def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, 
     weights.save(plain, tmp)
     config = json.loads((tmp / "config.json").read_text())
     config["sapiens2_training"] = {"task": args.task, "step": step, **{k: v for k, v in info.items() if k != "out_channels"}}
-    if args.task == "seg":
-        config["id2label"] = {str(i): name for i, name in enumerate(info["class_names"])}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tensors, groups = {}, []
     for name, entries in optimizer_state["state"].items():

@@ -213,8 +213,8 @@ def test_onnx_cast_rounds_to_nearest_even_like_torch():
     assert torch.equal(y, x.bfloat16().float())
 
 
-@pytest.mark.parametrize("rope, drift, bound", [("float32", 2e-4, "1e-04"), ("bfloat16", 3e-3, "2e-03")])
-def test_check_failure_exits_1_and_keeps_nothing(rope, drift, bound, checkpoints, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("conventions, drift, bound", [("transformers", 2e-4, "1e-04"), ("original", 3e-3, "2e-03")])
+def test_check_failure_exits_1_and_keeps_nothing(conventions, drift, bound, checkpoints, tmp_path, monkeypatch, capsys):
     path = tmp_path / "seg.pt2"
     path.write_bytes(b"an earlier export")
     write, run = export.WRITERS["torch-export"]
@@ -224,7 +224,7 @@ def test_check_failure_exits_1_and_keeps_nothing(rope, drift, bound, checkpoints
         return {name: t + drift * t.abs().max() for name, t in outputs.items()}
 
     monkeypatch.setitem(export.WRITERS, "torch-export", (write, drifting_run))
-    argv = ["--format", "torch-export", "--rope", rope]
+    argv = ["--format", "torch-export", "--conventions", conventions]
     assert run_export("seg", "--model", checkpoints["seg"], "-o", path, *argv) == 1
     err = capsys.readouterr().err
     assert f"differs from eager by more than {bound}" in err and "not written" in err
