@@ -1286,6 +1286,7 @@ def run(args, argv: list[str]) -> int:
     detector = load_detector(args, tasks, device, dtype)  # before the models: its fallback needs seg
     models = load_models(args, tasks, device, dtype)
     check_size_fits(args.size, models)
+    check_flip_pairs(args.flip, models)
     check_keypoint_formats(args, models)
     if any(m.random for m in models.values()):
         print(random_banner(models), file=sys.stderr)
@@ -1386,6 +1387,15 @@ def check_keypoint_formats(args, models: dict[str, LoadedModel]):
     for save in ("openpose", "coco"):
         if save in args.save and (problem := formats.unsupported_keypoints(save, args.coco_format, names)):
             raise UsageError(problem)
+
+
+def check_flip_pairs(flip: bool, models: dict[str, LoadedModel]):
+    """The flip test needs the pose model's left/right pairs: say so once, before any image, not per image."""
+    if flip and "pose" in models:
+        try:
+            models["pose"].model.flip_pairs()
+        except ValueError as error:
+            raise UsageError(f"--model pose: {error}; or run without the flip test (--no-flip)") from None
 
 
 def check_size_fits(size: tuple[int, int] | None, models: dict[str, LoadedModel]):

@@ -222,3 +222,15 @@ def test_predict_renders_a_coco17_models_overlay_and_openpose_with_its_names(own
     assert np.array_equal(np.array(made[".pose_overlay.jpg"]()), np.array(expected))
     assert (np.array(expected) != np.array(processing.draw_pose(image, [coco17_person()]))).any()
     assert made["_keypoints.json"]() == formats.openpose_json([coco17_person()], COCO17)
+
+
+def test_flip_test_without_pairs_is_refused_once_before_any_image(own_set_run, tmp_path, capsys):
+    """A custom set saved without left/right pairs: one line naming --no-flip (exit 2), not a failure per image."""
+    root, _, _, own = own_set_run
+    args = ["pose", str(root / "a.png"), "-o", str(tmp_path), "--model", f"pose={own}",
+            "--boxes", str(root / "boxes.json")]
+    assert predict.main(args) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: --model pose:") and "--no-flip" in error and "\n" not in error
+    assert not (tmp_path / "a.pose.json").exists()
+    assert predict.main(args + ["--no-flip"]) == 0 and (tmp_path / "a.pose.json").exists()
