@@ -5,6 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA, the Triton kernels run in Triton's CPU interpreter. Triton fixes its mode when a kernel module is
+# first imported, and any test module may import one while pytest collects (train.py, export.py, the model), so
+# the switch is made here, before every test module, not in tests/test_kernels.py alone.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

@@ -14,8 +14,7 @@ import sys
 
 import pytest
 
-# find_spec, not import: triton must not be imported while pytest collects, or tests/test_kernels.py could no
-# longer switch it to interpreter mode (TRITON_INTERPRET is read when triton is first imported).
+# find_spec: no need to import triton just to know whether it is installed.
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
@@ -41,7 +40,7 @@ def cuobjdump():
 
 def test_5b_kernels_on_hopper(cuobjdump, tmp_path):
     # In its own process: compiling for real needs the kernel modules imported without TRITON_INTERPRET, which
-    # tests/test_kernels.py sets for this whole pytest process.
+    # tests/conftest.py sets for this whole pytest process.
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
