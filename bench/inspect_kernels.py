@@ -14,7 +14,9 @@ installed Triton for the target (`triton.compile` with `GPUTarget("cuda", 90, 32
 inspected with the tools that ship inside the triton wheel (triton/backends/nvidia/bin):
     ptxas -v       registers and spill store/load bytes (the PTX triton assembled, the ptxas it used)
     cuobjdump      SASS opcode counts: HGMMA (wgmma), LDL/STL (local memory), LDG 16-bit scalar global
-                   loads, LDG 128-bit global loads, LDGSTS (cp.async), UTMALDG (TMA tensor loads)
+                   loads, LDG 128-bit global loads, LDGSTS (cp.async), UTMALDG (TMA tensor loads); and in the
+                   kernel's loops, the exp2s (MUFU.EX2) of the softmax and how many of them are issued while a
+                   wgmma is in flight (column ex2@mma; softmax_overlap)
 One row per (preset, kernel, configuration); identical compilations are shared between presets (0.4b and 1b
 both have head dim 64). It prints a table and, with --json, writes the rows. Nothing here runs a kernel;
 none of it is a timing.
@@ -92,13 +94,15 @@ def intercepted(launches: list):
         config = ({}, kwargs.pop("num_warps", 4), kwargs.pop("num_stages", 3))
         launches.append((self, args, kwargs, [config]))
 
-    saved = Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu
+    saved = Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, attention_triton._has_tma_engine
     Autotuner.run, JITFunction.run = autotuned_run, jit_run
     attention_triton.compiled_for_gpu = lambda t: True
+    attention_triton._has_tma_engine = lambda t: True  # sm_90a
     try:
         yield launches
     finally:
-        Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu = saved
+        (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu,
+         attention_triton._has_tma_engine) = saved
 
 
 def capture_launches(B, HQ, HKV, N, D, ops=("attention", "qk_norm_rope")):
@@ -236,6 +240,43 @@ def sass_counts(sass: str) -> dict:
     return counts
 
 
+_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def softmax_overlap(sass: str) -> dict:
+    """How much of the softmax runs while a wgmma is in flight, read from the SASS of the kernel's loops.
+
+    A loop is a backward branch whose body has both HGMMA and MUFU.EX2 (the exp2 of the softmax) and no EXIT (that
+    excludes the retry stubs of barrier waits placed after the exit). A wgmma group is in flight from its last
+    HGMMA (the one marked gsb0) until a WARPGROUP.DEPBAR.LE lowers the outstanding count below it. The body is
+    scanned twice and the second pass counted, so that a wgmma issued at the end of an iteration counts as in
+    flight at the start of the next one. `loop_ex2_under_wgmma == loop_ex2` means every exp2 of the loop overlaps a
+    tensor-core MMA (FlashAttention-3's intra-warpgroup overlap); 0 means the MMAs and the softmax alternate."""
+    instructions = [(int(a, 16), op, args.strip()) for a, op, args in _SASS_INSTRUCTION.findall(sass)]
+    loops = []
+    for address, op, args in instructions:
+        target = re.match(r"(0x[0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target[1], 16) < address:
+            loops.append((int(target[1], 16), address))
+    total = overlapped = 0
+    for start, end in loops:
+        body = [(op, args) for a, op, args in instructions if start <= a <= end]
+        ops = [op for op, _ in body]
+        if "EXIT" in ops or "MUFU.EX2" not in ops or not any(op.startswith("HGMMA") for op in ops):
+            continue
+        in_flight = 0
+        for counting in (False, True):
+            for op, args in body:
+                if op.startswith("HGMMA") and "gsb0" in args:
+                    in_flight += 1
+                elif op == "WARPGROUP.DEPBAR.LE":
+                    in_flight = min(in_flight, int(args.rsplit(",", 1)[-1], 16))
+                elif op == "MUFU.EX2" and counting:
+                    total += 1
+                    overlapped += in_flight > 0
+    return {"loop_ex2": total, "loop_ex2_under_wgmma": overlapped}
+
+
 def ptxas_report(ptx: str, arch: str, workdir: pathlib.Path) -> dict:
     """registers, spill bytes and shared memory from `ptxas -v` on the PTX Triton produced."""
     path = workdir / "kernel.ptx"
@@ -260,7 +301,7 @@ def inspect_compiled(kernel, arch: str) -> dict:
         sass = subprocess.run([nvidia_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True,
                               text=True, check=True, timeout=600).stdout
         report = ptxas_report(kernel.asm["ptx"], arch, workdir)
-    return {**report, "shared_bytes": kernel.metadata.shared, **sass_counts(sass)}
+    return {**report, "shared_bytes": kernel.metadata.shared, **sass_counts(sass), **softmax_overlap(sass)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -309,7 +350,8 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
                 if only and not re.search(only, name):
                     continue
                 for config_kwargs, num_warps, num_stages in configs[:1] if first_config else configs:
-                    if cfg and not re.search(cfg, config_label({**kwargs, **config_kwargs}, num_warps, num_stages)):
+                    label = attention_triton.config_label({**kwargs, **config_kwargs}, num_warps, num_stages)
+                    if cfg and not re.search(cfg, label):
                         continue
                     bound = bind(fn, args, kwargs, config_kwargs)
                     src, signature, constexprs, attrs = aot_source(fn, bound)
@@ -335,22 +377,16 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
 
 
 COLUMNS = [("preset", 5), ("block", 5), ("name", 26), ("cfg", 18), ("regs", 4), ("spill", 5), ("smem", 6),
-           ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7), ("kvGB", 5)]
-
-
-def config_label(constexprs: dict, num_warps: int, num_stages: int) -> str:
-    """e.g. 128x64w8s3 (BLOCK_M x BLOCK_N, warps, stages), with a final p for a GQA-packed forward tile."""
-    c = constexprs
-    label = f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}"
-    return label + ("p" if c.get("PACK") else "")
+           ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7), ("ex2@mma", 7), ("kvGB", 5)]
 
 
 def format_row(r) -> str:
-    cfg = config_label(r["constexprs"], r["num_warps"], r["num_stages"])
+    cfg = attention_triton.config_label(r["constexprs"], r["num_warps"], r["num_stages"])
     kv = f"{r['kv_bytes_total'] / 1e9:.2f}" if "kv_bytes_total" in r else ""
     spill = (r["spill_store_bytes"] or 0) + (r["spill_load_bytes"] or 0)
     cells = [r["preset"], r["block"], r["name"], cfg, r["registers"], spill, r["shared_bytes"], r["hgmma"],
-             f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"], kv]
+             f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"],
+             f"{r['loop_ex2_under_wgmma']}/{r['loop_ex2']}" if r["loop_ex2"] else "", kv]
     return "  ".join(str(v).ljust(w) for v, (_, w) in zip(cells, COLUMNS))
 
 

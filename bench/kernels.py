@@ -134,14 +134,43 @@ def attention_impls(device: str, with_backends: bool, batch: int, with_compile: 
     return impls
 
 
+# CUDA: forward rows with the Triton tiles forced, beside the autotuned "triton" row, so that one run says what
+# each loop variant is worth: the plain order (softmax, then P V), the overlapped order (o: the next Q K^T issued
+# before P V, the softmax under the MMA), and K/V through TMA descriptors (t). Labels as bench/inspect_kernels.py.
+FORCED_FORWARD = {
+    "128x64w8s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=False),
+    "128x64w8s3o": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=True),
+    "128x64w8s3to": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=True, TMA=True),
+    "128x128w8s2to": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, OVERLAP=True, TMA=True),
+}
+
+
+def forced_forward_impls():
+    from kernels.attention_triton import attention_fwd
+
+    def forced(blocks):
+        return lambda q, k, v: attention_fwd(q, k, v, blocks=blocks)[0]
+    return {f"triton[{label}]": forced(blocks) for label, blocks in FORCED_FORWARD.items()}
+
+
 def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward, with_backends, with_compile):
     for model, B, HQ, HKV, N, D in shapes:
         fwd_flops = 4 * B * HQ * N * N * D
         for impl, fn in attention_impls(device, with_backends, B, with_compile).items():
             q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device)
             ms, err = try_time(lambda: fn(q, k, v), device, reps)
-            rec.add(row("attention", "fwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
-                        tflops=fwd_flops, peak_tflops=peak_tflops))
+            r = row("attention", "fwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
+                    tflops=fwd_flops, peak_tflops=peak_tflops)
+            if impl == "triton" and ms is not None:
+                from kernels.attention_triton import tuned_config
+
+                r["config"] = tuned_config("fwd", q.dtype)
+            rec.add(r)
+            if impl == "triton":  # the forced variants right after the autotuned row
+                for name, forced in forced_forward_impls().items():
+                    ms, err = try_time(lambda: forced(q, k, v), device, reps)
+                    rec.add(row("attention", "fwd", name, model, B, N, HQ, HKV, D, dtype, ms, err,
+                                tflops=fwd_flops, peak_tflops=peak_tflops))
             if with_backward:
                 q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device, grad=True)
                 do = torch.randn_like(q)
@@ -196,7 +225,7 @@ def row(op, pas, impl, model, B, N, HQ, HKV, D, dtype, ms, err, tflops=None, pea
 # Main
 # ----------------------------------------------------------------------------------------------------
 
-COLUMNS = ["op", "pass", "model", "B", "Hq", "Hkv", "D", "dtype", "rope_dtype", "impl", "ms_median", "TFLOP/s",
+COLUMNS = ["op", "pass", "model", "B", "Hq", "Hkv", "D", "dtype", "rope_dtype", "impl", "config", "ms_median", "TFLOP/s",
            "GB/s", "frac_peak", "frac_copy_bw"]
 
 

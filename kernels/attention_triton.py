@@ -13,6 +13,16 @@ accumulator; it writes o = acc / l and the log-sum-exp lse = m + log2(l) (base 2
       group through one dot; the packed 256-row tile reads half the K/V bytes of the 128-row tiles.
     * Ragged N: the key loop runs over the full tiles without any masking, then one masked tail tile
       (scores of keys >= N set to -inf). Query rows >= N are computed on zeros and never stored.
+    * Loop order (OVERLAP, autotuned): the next tile's Q K^T is issued before this tile's P V, so the P V
+      wgmma runs while the next softmax is computed (FlashAttention-3's intra-warpgroup overlap, written as a
+      software pipeline in the loop; Triton keeps the P V wgmma in flight across the iteration). It holds two
+      score tiles, so the largest tiles keep the plain order (softmax, then P V), which alternates MMA and
+      softmax. bench/inspect_kernels.py reads which one a compiled kernel does (column ex2@mma).
+    * K/V loads (TMA, autotuned, Hopper and later): tensor descriptors made in the kernel, one per head and
+      column chunk, so the copy engine (UTMALDG) streams the tiles into shared memory and zero-fills the rows
+      past N and the columns past D; else pointer loads that Triton pipelines with cp.async. TMA needs heads
+      on 16-byte boundaries (tma_usable; the aligned layout gives that at 5b too) and an allocator for the
+      descriptors (installed on first use unless the user set one).
     * Head dims that are not a power of two (80 in 0.8b, 76 in 5b) are NOT padded to 128: D is split into
       a power-of-two chunk D0 <= D plus a second chunk D1 = next_pow2(D - D0) >= 16 (80 = 64 + 16,
       76 = 64 + 16 with 12 columns masked, 96 = 64 + 32), each with its own tl.dot, so the MMA work is
@@ -33,9 +43,10 @@ is what makes the loads fast); Hq % Hkv == 0.
 Block sizes: autotuned on CUDA (key: N, B * Hq, D, dtype) over configurations chosen for Hopper (H100/H200:
 128 x 64 and 128 x 128 tiles with 8 warps for big grids, 64-row tiles when B * Hq * cdiv(N, 128) leaves
 SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTERPRET=1).
-Not done here (no GPU to validate them yet): TMA tensor descriptors and warp specialization. The (B, N, H, D)
-layout with D = 76 puts odd heads at addresses that are not 16-byte aligned, which TMA requires, so a TMA
-path needs its own dispatch; it is left for a session with a GPU to validate it.
+Not done here (unmeasured without a GPU; see kernels/README.md): Triton's automatic warp specialization
+(tl.range(warp_specialize=True)) does not apply on sm_90 in triton 3.9 (with 8 warps the SASS is unchanged; with
+4 warps the pass fails to compile), so there is no producer warpgroup or ping-pong of two consumer warpgroups;
+no persistent grid; no polynomial exp2; the backward still loads through cp.async.
 """
 
 import math
@@ -44,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .grid_triton import aligned_heads, check_image_elements, flat_grid, program_coords
+from .grid_triton import aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords
 
 LOG2E = 1.4426950408889634
 
@@ -67,53 +78,67 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_tile(
-    acc0, acc1, m_i, l_i,  # running state: (BLOCK_M, D0), (BLOCK_M, D1) fp32 accumulators; (BLOCK_M,) max, sum
-    q0, q1,  # (BLOCK_M, D0), (BLOCK_M, D1) query chunks
-    k_base, v_base,  # key/value head g of this batch element
-    start_n, N, skn, skd, svn, svd, qk_scale,  # qk_scale = scale * log2(e)
-    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,  # D1 == 0: no second chunk
-    BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):
-    """One BLOCK_N tile of keys/values folded into the online softmax."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d0 = tl.arange(0, D0)
-    mask_n = offs_n < N
-    # K^T chunk (D0, BLOCK_N) and V chunk (BLOCK_N, D0); the D0 chunk needs no column mask.
-    kt_ptrs = k_base + offs_n[None, :] * skn + offs_d0[:, None] * skd
-    v_ptrs = v_base + offs_n[:, None] * svn + offs_d0[None, :] * svd
-    if MASK_N:
-        kt0 = tl.load(kt_ptrs, mask=mask_n[None, :], other=0.0)
-        v0 = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+def _key_rows(desc, base, start_n, N, stride_n, stride_d, col0, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, TMA: tl.constexpr):
+    """Rows start_n .. start_n + BLOCK_N, columns col0 .. col0 + COLS of one K or V head: (BLOCK_N, COLS), zero
+    where row >= N or column >= HEAD_DIM. TMA: one tensor-descriptor load (the copy engine fills the out-of-bounds
+    rows and columns with zeros); else pointer loads (cp.async when pipelined), masked only where needed."""
+    if TMA:
+        return desc.load([start_n, col0])
     else:
-        kt0 = tl.load(kt_ptrs)
-        v0 = tl.load(v_ptrs)
-    s = _dot(q0, kt0, None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N) fp32
-    if D1 > 0:
-        offs_d1 = D0 + tl.arange(0, D1)
-        mask_d1 = offs_d1 < HEAD_DIM
-        kt1 = tl.load(k_base + offs_n[None, :] * skn + offs_d1[:, None] * skd,
-                      mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
-        v1 = tl.load(v_base + offs_n[:, None] * svn + offs_d1[None, :] * svd,
-                     mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
-        s = _dot(q1, kt1, s, DOT_PRECISION, UPCAST_DOT)
-    if MASK_N:
-        s = tl.where(mask_n[None, :], s, float("-inf"))
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = col0 + tl.arange(0, COLS)
+        ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
+        if MASK_N:
+            return tl.load(ptrs, mask=(offs_n < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        elif col0 + COLS > HEAD_DIM:
+            return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        else:
+            return tl.load(ptrs)
 
+
+@triton.jit
+def _scores(q0, q1, k_desc0, k_desc1, k_base, start_n, N, skn, skd,
+            HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
+            TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """S = Q K^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32, unscaled; with MASK_N, keys >= N are -inf."""
+    k0 = _key_rows(k_desc0, k_base, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
+    if D1 > 0:
+        k1 = _key_rows(k_desc1, k_base, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
+        s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
+    if MASK_N:
+        s = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _softmax_update(s, m_i, l_i, qk_scale):
+    """Online softmax (base 2): the tile's probabilities p, the factor alpha that rescales what was accumulated
+    before, and the new running max and sum."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: every tile holds at least one key < N
     p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
+                HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc * alpha + P V for one tile of values (P rounded to the input dtype for the MMA, as in FlashAttention)."""
+    v0 = _key_rows(v_desc0, v_base, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     p = p.to(v0.dtype)
     acc0 = _dot(p, v0, acc0 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
+        v1 = _key_rows(v_desc1, v_base, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         acc1 = _dot(p, v1, acc1 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
-    return acc0, acc1, m_new, l_i
+    return acc0, acc1
 
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, N, D) x2, any strides
+    q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, N, D) x2, any strides (TMA: aligned heads, unit stride on D)
     o_ptr,  # (B, Hq, N, D) output, any strides (the launcher makes it (B, N, Hq, D)-contiguous)
     lse_ptr,  # (B * Hq, N) fp32: base-2 log-sum-exp of the scaled scores, for the backward
     N, HQ, qk_scale,
@@ -123,6 +148,8 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PACK: tl.constexpr,  # stack the GROUP query heads of one K/V head in the tile's rows (GQA packing)
+    TMA: tl.constexpr,  # load K/V tiles through tensor descriptors (Hopper's TMA copy engine)
+    OVERLAP: tl.constexpr,  # issue the next tile's Q K^T before this tile's P V (softmax under the MMA; more registers)
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Flat grid, tiles fastest (grid_triton.py). Each program owns BLOCK_M rows of queries:
@@ -149,7 +176,8 @@ def _attn_fwd_kernel(
     mask_m = offs_m < N
     mask_d1 = offs_d1 < HEAD_DIM
 
-    # int64 base of head h0 of image b, plus int32 offsets within the image (head and token of each row)
+    # Q is loaded once per program and O stored once: plain pointer accesses (int64 base of head h0 of image b,
+    # int32 offsets within the image). K and V are streamed: through TMA descriptors when asked for.
     q_rows = q_ptr + b * sqb + h0 * sqh + (row_head * sqh + offs_m * sqn)[:, None]
     q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)
     acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
@@ -164,15 +192,54 @@ def _attn_fwd_kernel(
 
     k_base = k_ptr + b * skb + g * skh
     v_base = v_ptr + b * svb + g * svh
+    if TMA:
+        # One descriptor per head and column chunk: shape (N, HEAD_DIM), so the copy engine zero-fills the rows
+        # past N and the columns past HEAD_DIM (76 -> 80 at 5b).
+        k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1], block_shape=[BLOCK_N, D0])
+        v_desc0 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1], block_shape=[BLOCK_N, D0])
+        if D1 > 0:
+            k_desc1 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1],
+                                                block_shape=[BLOCK_N, D1])
+            v_desc1 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1],
+                                                block_shape=[BLOCK_N, D1])
+        else:
+            k_desc1, v_desc1 = k_desc0, v_desc0  # unused
+    else:
+        k_desc0, k_desc1 = k_base, k_base  # unused
+        v_desc0, v_desc1 = v_base, v_base  # unused
+
+    # The full key tiles, then one masked tail tile. With OVERLAP the full tiles are software-pipelined by hand:
+    # the scores of tile j + 1 are computed before the P V product of tile j, so that on Hopper the P V wgmma is
+    # still running while the softmax of tile j + 1 is computed (FlashAttention-3's intra-warpgroup overlap;
+    # bench/inspect_kernels.py counts the exp2s issued under a wgmma). It keeps two score tiles alive, so the
+    # largest tiles use the plain order (softmax, then P V of the same tile), which Triton compiles to MMAs and
+    # softmax that alternate.
     n_full = (N // BLOCK_N) * BLOCK_N
-    for start_n in range(0, n_full, BLOCK_N):
-        acc0, acc1, m_i, l_i = _attn_fwd_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, start_n, N,
-                                              skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N,
-                                              False, DOT_PRECISION, UPCAST_DOT)
+    if not OVERLAP:
+        for start_n in range(0, n_full, BLOCK_N):
+            s = _scores(q0, q1, k_desc0, k_desc1, k_base, start_n, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False,
+                        TMA, DOT_PRECISION, UPCAST_DOT)
+            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
+                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+    elif n_full > 0:
+        s = _scores(q0, q1, k_desc0, k_desc1, k_base, 0, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
+                    DOT_PRECISION, UPCAST_DOT)
+        for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
+            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+            s = _scores(q0, q1, k_desc0, k_desc1, k_base, start_n + BLOCK_N, N, skn, skd, HEAD_DIM, D0, D1,
+                        BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
+                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, n_full - BLOCK_N, N, svn, svd,
+                                 HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     if n_full < N:
-        acc0, acc1, m_i, l_i = _attn_fwd_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, n_full, N,
-                                              skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N,
-                                              True, DOT_PRECISION, UPCAST_DOT)
+        s = _scores(q0, q1, k_desc0, k_desc1, k_base, n_full, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA,
+                    DOT_PRECISION, UPCAST_DOT)
+        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, n_full, N, svn, svd,
+                                 HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
 
     inv_l = 1.0 / l_i
     o_rows = o_ptr + b * sob + h0 * soh + (row_head * soh + offs_m * son)[:, None]
@@ -405,11 +472,43 @@ def pack_heads(block_m: int, pack: bool, group: int) -> int:
     return group if pack and group > 1 and block_m % group == 0 else 1
 
 
-def _prune_packing(configs, named_args, **kwargs):
+def _prune_forward(configs, named_args, **kwargs):
     """Autotuning: drop the packed forward configurations that cannot pack (MHA, or GROUP not dividing
-    BLOCK_M); their unpacked twins stay."""
+    BLOCK_M), and the TMA ones where the K/V tensors cannot be read through descriptors; their twins stay."""
     group = kwargs.get("GROUP", named_args.get("GROUP"))
-    return [c for c in configs if not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1]
+    tma = tma_usable(named_args["k_ptr"], named_args["v_ptr"])
+    return [c for c in configs
+            if (not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1)
+            and (tma or not c.kwargs.get("TMA"))]
+
+
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """True when K/V tiles can be loaded through TMA tensor descriptors: a Triton with `make_tensor_descriptor`
+    (3.4+), a GPU with the TMA engine (Hopper, compute capability 9+; the CPU interpreter emulates it), and
+    tensors whose heads start on 16-byte boundaries with a unit stride on D (what the copy engine requires)."""
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if compiled_for_gpu(tensors[0]) and not _has_tma_engine(tensors[0]):
+        return False
+    return all(heads_aligned(t) and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _has_tma_engine(t: torch.Tensor) -> bool:
+    """Compute capability 9 or more (bench/inspect_kernels.py overrides it: it compiles for sm_90a)."""
+    return torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def _ensure_allocator():
+    """Descriptors made inside a kernel (tl.make_tensor_descriptor) live in a per-launch scratch buffer that Triton
+    asks an allocator for. Install one backed by torch's caching allocator, unless the user installed their own."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 # (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
@@ -424,21 +523,30 @@ def _prune_packing(configs, named_args, **kwargs):
 # reads of the 128-row tiles, with 214-246 registers and no spills at D = 64/80/76 (an unpacked 256-row tile
 # hits 255 registers and local memory at D = 80, and pads N = 3081 to 3328 rows instead of 3200). Packed
 # twins of the smaller tiles only shorten the ragged last tile. The autotuner times packed and unpacked
-# configurations alike; packed ones are dropped for MHA blocks (_prune_packing).
-_FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3)]
-_FWD_PACKED_TILES = [(256, 64, 8, 2), (256, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4)]
-_FWD_CONFIGS = _configs(_FWD_TILES, PACK=False) + _configs(_FWD_PACKED_TILES, PACK=True)
+# configurations alike; packed ones are dropped for MHA blocks (_prune_forward).
+# OVERLAP (the softmax under the P V wgmma) keeps a second score tile alive: spill-free at 128 x 64 (138-191
+# registers) and with TMA at 128 x 128 (226-236), but the 256-row packed tiles and the cp.async 128 x 128 /
+# 64 x 128 tiles spill with it, so those run in the plain order. TMA configurations (K/V through descriptors) are
+# dropped where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_prune_forward).
+_FWD_CONFIGS = (
+    _configs([(128, 64, 8, 3), (64, 64, 4, 4)], PACK=False, TMA=False, OVERLAP=True)
+    + _configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)], PACK=False, TMA=False, OVERLAP=False)
+    + _configs([(128, 64, 8, 3)], PACK=True, TMA=False, OVERLAP=True)
+    + _configs([(256, 64, 8, 2), (256, 64, 8, 3)], PACK=True, TMA=False, OVERLAP=False)
+    + _configs([(128, 64, 8, 3), (128, 128, 8, 2)], PACK=False, TMA=True, OVERLAP=True)
+    + _configs([(256, 64, 8, 2)], PACK=True, TMA=True, OVERLAP=False))
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
 # fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
 # stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
-_FWD_CONFIGS_FP32 = _configs([(128, 32, 8, 2), (64, 32, 4, 2)], PACK=False) + _configs([(128, 32, 8, 2)], PACK=True)
+_FWD_CONFIGS_FP32 = (_configs([(128, 32, 8, 2), (64, 32, 4, 2)], PACK=False, TMA=False, OVERLAP=False)
+                     + _configs([(128, 32, 8, 2)], PACK=True, TMA=False, OVERLAP=False))
 _DKDV_CONFIGS_FP32 = _configs([(16, 64, 4, 2), (32, 64, 8, 2)])
 _DQ_CONFIGS_FP32 = _configs([(64, 16, 4, 2), (64, 32, 8, 2)])
 # GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
 # tile (nor the same K/V traffic).
 _KEY = ["N", "BH", "HEAD_DIM", "GROUP"]
-_PRUNE = {"early_config_prune": _prune_packing}
+_PRUNE = {"early_config_prune": _prune_forward}
 
 _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
     ("fwd", False): triton.autotune(_FWD_CONFIGS, key=_KEY, prune_configs_by=_PRUNE)(_attn_fwd_kernel),
@@ -448,6 +556,22 @@ _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
     ("dkdv", True): triton.autotune(_DKDV_CONFIGS_FP32, key=_KEY)(_attn_bwd_dkdv_kernel),
     ("dq", True): triton.autotune(_DQ_CONFIGS_FP32, key=_KEY)(_attn_bwd_dq_kernel),
 }
+
+def config_label(constexprs: dict, num_warps: int, num_stages: int) -> str:
+    """A configuration's name in benchmarks and inspection tables: BLOCK_M x BLOCK_N, warps, stages, then the
+    forward's flags: p GQA-packed tile, t K/V through TMA descriptors, o softmax overlapped with P V (OVERLAP).
+    e.g. 128x64w8s3o."""
+    c = constexprs
+    flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP")) if c.get(key))
+    return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}"
+
+
+def tuned_config(name: str, dtype: torch.dtype) -> str | None:
+    """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype; None before any
+    autotuned launch."""
+    config = getattr(_TUNED[name, dtype == torch.float32], "best_config", None)
+    return None if config is None else config_label(config.kwargs, config.num_warps, config.num_stages)
+
 
 # Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
@@ -466,8 +590,11 @@ def compiled_for_gpu(t: torch.Tensor) -> bool:
 def _launch(kernel, name, grid, args, consts, blocks, group=None):
     """Run the autotuned `name` kernel on CUDA unless `blocks` (or PINNED_BLOCKS) fixes the tiles; the plain
     kernel otherwise. `grid` maps the tile constexprs (BLOCK_M, BLOCK_N, PACK) to the launch grid; `group`
-    (the forward's GROUP) resolves a fixed `blocks["PACK"]` with pack_heads."""
+    (the forward's GROUP) resolves a fixed `blocks["PACK"]` with pack_heads, and a fixed `blocks["TMA"]` must be
+    usable (tma_usable) for K and V (args[1], args[2])."""
     blocks = blocks if blocks is not None else PINNED_BLOCKS
+    if name == "fwd" and compiled_for_gpu(args[0]) and tma_usable(args[1], args[2]):
+        _ensure_allocator()
     if blocks is None and compiled_for_gpu(args[0]):
         tuned = _TUNED[name, args[0].dtype == torch.float32]
         tuned[grid](*args, **consts)
@@ -476,6 +603,11 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
         tiles = {"BLOCK_M": blocks["BLOCK_M"], "BLOCK_N": blocks["BLOCK_N"]}
         if group is not None:
             tiles["PACK"] = pack_heads(tiles["BLOCK_M"], blocks.get("PACK", False), group) > 1
+            tiles["TMA"] = bool(blocks.get("TMA", False))
+            tiles["OVERLAP"] = bool(blocks.get("OVERLAP", True))
+            if tiles["TMA"] and not tma_usable(args[1], args[2]):
+                raise ValueError("blocks['TMA'] is set but K/V cannot be read through TMA descriptors here "
+                                 "(needs triton >= 3.4, a compute capability 9+ GPU, 16-byte-aligned heads)")
         kernel[grid(tiles)](*args, **consts, **tiles, num_warps=blocks.get("num_warps", 4),
                             num_stages=blocks.get("num_stages", 2))
 

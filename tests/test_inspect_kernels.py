@@ -85,6 +85,52 @@ def test_gqa_packed_forward_on_hopper(cuobjdump, tmp_path):
     assert packed["kv_bytes_total"] * 2 == plain["kv_bytes_total"]
 
 
+def test_tma_and_overlapped_softmax_on_hopper(cuobjdump, tmp_path):
+    """The 5b forward (D = 76, the awkward one) in three loop variants, compiled for sm_90a:
+    - overlapped order (OVERLAP, suffix o): the exp2s of the softmax are issued while the previous tile's P V wgmma
+      is in flight (all but at most one per iteration);
+    - the same with K/V through TMA descriptors (suffix to): UTMALDG tensor loads and no cp.async for K/V;
+    - the plain order: MMAs and softmax alternate (no exp2 under a wgmma), which shows the count can tell them apart.
+    None spills."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
+                          "--presets", "5b", "--blocks", "mha", "--only", "attn_fwd",
+                          "--cfg", "^128x64w8s3(|o|to)$", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {(r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [(False, False), (False, True), (True, True)]
+    for r in rows.values():
+        assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["ldl"] == r["stl"] == 0, r
+        assert r["hgmma"] > 0 and r["ldg_16bit"] == 0 and r["loop_ex2"] >= 34  # 128 x 64 scores / 256 threads
+    plain, overlapped, tma = rows[False, False], rows[False, True], rows[True, True]
+    assert plain["loop_ex2_under_wgmma"] == 0
+    for r in (overlapped, tma):
+        assert r["loop_ex2_under_wgmma"] >= r["loop_ex2"] - 1, r
+    assert tma["utmaldg"] > 0 and tma["ldgsts"] == 0 and overlapped["utmaldg"] == 0 and overlapped["ldgsts"] > 0
+
+
+def test_softmax_overlap_reading():
+    """The loop reader: a wgmma issued at the end of an iteration is in flight at the top of the next one; a wait
+    to 0 ends it; a barrier-retry stub after EXIT is not a loop."""
+    softmax_overlap = load_inspect_kernels().softmax_overlap
+    overlapped = """
+        /*0100*/                   MUFU.EX2 R1, R1 ;
+        /*0110*/                   MUFU.EX2 R2, R2 ;
+        /*0120*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0140*/                   HGMMA.64x64x16.F32.BF16 R56, R92, gdesc[UR8].tnspB, R56, gsb0 ;
+        /*0150*/               @P0 BRA 0x100 ;
+        /*0160*/                   EXIT ;
+        /*0170*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R4 ;
+        /*0180*/               @!P0 BRA 0x100 ;
+    """
+    assert softmax_overlap(overlapped) == {"loop_ex2": 2, "loop_ex2_under_wgmma": 2}
+    alternating = overlapped.replace("R56, gsb0 ;", "R56, gsb0 ;\n        /*0148*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;")
+    assert softmax_overlap(alternating) == {"loop_ex2": 2, "loop_ex2_under_wgmma": 0}
+
+
 def test_sass_counting():
     sass_counts = load_inspect_kernels().sass_counts
 

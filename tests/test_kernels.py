@@ -314,19 +314,65 @@ def test_attention_forward_gqa_packed(dtype, D, B, HQ, HKV, N, monkeypatch):
 def test_gqa_packing_only_where_the_group_divides_the_tile():
     """pack_heads: the one rule for the grid and the kernel; the autotuner keeps packed configurations only
     for GQA blocks whose GROUP divides BLOCK_M (their unpacked twins always stay)."""
-    from kernels.attention_triton import _FWD_CONFIGS, _prune_packing, pack_heads
+    from kernels.attention_triton import _FWD_CONFIGS, _prune_forward, pack_heads
 
     assert [pack_heads(16, True, g) for g in (1, 2, 3, 4)] == [1, 2, 1, 4]
     assert pack_heads(16, False, 2) == 1
     packed = [c for c in _FWD_CONFIGS if c.kwargs.get("PACK")]
     assert packed and len(packed) < len(_FWD_CONFIGS)
-    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=1) == [c for c in _FWD_CONFIGS if c not in packed]
-    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=3) == [c for c in _FWD_CONFIGS if c not in packed]
-    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=2) == _FWD_CONFIGS
+    kv = {"k_ptr": bnhd(1, 1, 20, 16, torch.float32, 0), "v_ptr": bnhd(1, 1, 20, 16, torch.float32, 1)}
+    assert _prune_forward(_FWD_CONFIGS, kv, GROUP=1) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _prune_forward(_FWD_CONFIGS, kv, GROUP=3) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _prune_forward(_FWD_CONFIGS, kv, GROUP=2) == _FWD_CONFIGS
     # a GROUP that does not divide the tile falls back to one head per program (same values, plain grid)
     q, kv = bnhd(1, 3, 20, 16, torch.float32, 40), bnhd(1, 1, 20, 16, torch.float32, 41)
     o, _ = attention_fwd(q, kv, kv, blocks=dict(BLOCKS, PACK=True))
     assert rel_err(o, attention_reference(q.double(), kv.double(), kv.double())) < ATTN_TOL[torch.float32][0]
+
+
+FORWARD_VARIANTS = {  # the forward's loop and load variants, beside the default (OVERLAP, pointer loads)
+    "tma": dict(TMA=True),
+    "tma-packed": dict(TMA=True, PACK=True),
+    "plain-order": dict(OVERLAP=False),
+    "plain-order-tma-packed": dict(OVERLAP=False, TMA=True, PACK=True),
+}
+VARIANT_CASES = [ATTN_CASES[i] for i in (0, 3, 5, 8, 9, 10)]  # GQA 1/2, D 64/76/80, one tile, no tail, 3 dtypes
+
+
+@pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
+@pytest.mark.parametrize("dtype,D,B,HQ,HKV,N", VARIANT_CASES)
+def test_attention_forward_variants(variant, dtype, D, B, HQ, HKV, N):
+    """K/V through TMA tensor descriptors (the copy engine zero-fills rows past N and columns past D = 76) and the
+    plain loop order (softmax, then P V of the same tile; OVERLAP off) compute the same function as the default
+    forward: the reference's tolerances, and on CPU the default forward's bits (the same dots in the same order
+    for every row)."""
+    q, k, v = bnhd(B, HQ, N, D, dtype, 11), bnhd(B, HKV, N, D, dtype, 12), bnhd(B, HKV, N, D, dtype, 13)
+    o, lse = attention_fwd(q, k, v, blocks=dict(BLOCKS, **FORWARD_VARIANTS[variant]), out=poisoned(q, "bhnd"))
+    ref = attention_reference(q.double(), k.double(), v.double())
+    assert not o.isnan().any(), "unwritten (NaN) elements"
+    err = rel_err(o, ref)
+    _record(f"attention {variant} {dtype} o rel err", err)
+    assert err <= ATTN_TOL[dtype][0], f"o: relative error {err:.3e}"
+    if DEVICE == "cpu":
+        o_default, lse_default = attention_fwd(q, k, v, blocks=BLOCKS)
+        assert torch.equal(o, o_default) and torch.equal(lse, lse_default)
+
+
+def test_tma_needs_aligned_heads():
+    """TMA descriptors need 16-byte-aligned heads: a K/V tensor that starts 4 bytes off is refused when the tiles
+    are pinned with TMA (a clear error), and the autotuner drops its TMA configurations (the cp.async ones stay)."""
+    from kernels.attention_triton import _FWD_CONFIGS, _prune_forward, tma_usable
+
+    q, k = bnhd(1, 2, 20, 16, torch.float32, 50), bnhd(1, 2, 20, 16, torch.float32, 51)
+    shifted = torch.randn(1 * 20 * 2 * 16 + 1, device=DEVICE)[1:].view(1, 20, 2, 16).transpose(1, 2)
+    assert tma_usable(k, k) and not tma_usable(k, shifted)
+    with pytest.raises(ValueError, match="TMA"):
+        attention_fwd(q, k, shifted, blocks=dict(BLOCKS, TMA=True))
+    kept = _prune_forward(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": shifted}, GROUP=1)
+    assert kept and not any(c.kwargs["TMA"] for c in kept)
+    assert any(c.kwargs["TMA"] for c in _prune_forward(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": k}, GROUP=1))
+    o, _ = attention_fwd(q, k, shifted, blocks=BLOCKS)  # the pointer path reads it
+    assert rel_err(o, attention_reference(q.double(), k.double(), shifted.double())) < ATTN_TOL[torch.float32][0]
 
 
 def test_attention_autograd_and_layout():
