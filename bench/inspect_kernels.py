@@ -350,8 +350,8 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
                 if only and not re.search(only, name):
                     continue
                 for config_kwargs, num_warps, num_stages in configs[:1] if first_config else configs:
-                    label = attention_triton.config_label({**kwargs, **config_kwargs}, num_warps, num_stages)
-                    if cfg and not re.search(cfg, label):
+                    cfg_label = attention_triton.config_label({**kwargs, **config_kwargs}, num_warps, num_stages)
+                    if cfg and not re.search(cfg, cfg_label):
                         continue
                     bound = bind(fn, args, kwargs, config_kwargs)
                     src, signature, constexprs, attrs = aot_source(fn, bound)

@@ -112,12 +112,49 @@ def _scores(q0, q1, k_desc0, k_desc1, k_base, start_n, N, skn, skd,
     return s
 
 
+# 2^f on [-0.5, 0.5] as C0 + f (C1 + f (C2 + f C3)): a degree-3 fit of the relative error (max 7.5e-5 in fp32 on a
+# grid of 20,001 points; tests/test_kernels.py checks it), far below the bf16 rounding of P (2^-9 = 2e-3).
+EXP2_COEFFS = (0.9999281167984009, 0.6932609677314758, 0.24261045455932617, 0.055171284824609756)
+_C0, _C1, _C2, _C3 = (tl.constexpr(c) for c in EXP2_COEFFS)
+# 1.5 * 2^23: adding it rounds a float below 2^22 in magnitude to an integer held in the low mantissa bits.
+_ROUNDER = tl.constexpr(12582912.0)
+
+
 @triton.jit
-def _softmax_update(s, m_i, l_i, qk_scale):
+def _exp2_fma(x):
+    """2^x for finite x <= 0 on the FMA and integer units only (no MUFU, no conversion instruction, which run at
+    the same 16 per clock as MUFU): j = round(x) with the 1.5 * 2^23 trick, f = x - j in [-0.5, 0.5], a
+    polynomial for 2^f, and j added to the float's exponent bits (the rounder's bits shifted by 23 leave exactly
+    j). Clamped at -126 (no exponent underflow): below 2^-126 it returns tiny values instead of 0, which add
+    nothing next to a row sum >= 1."""
+    x = tl.maximum(x, -126.0)
+    rounded = x + _ROUNDER
+    f = x - (rounded - _ROUNDER)
+    p = _C0 + f * (_C1 + f * (_C2 + f * _C3))
+    return (p.to(tl.int32, bitcast=True) + (rounded.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_split(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """2^x of a (BLOCK_M, BLOCK_N) tile, the even columns on the special-function unit (MUFU.EX2) and the odd ones
+    on the FMA units (_exp2_fma): FlashAttention-4's answer to the exp unit being as slow as the tensor cores at
+    D = 64 (16 exp2 vs 4,096 MMA flops per clock and SM on Hopper: a 128 x 64 score tile costs both 512 clocks).
+    The columns are paired in each thread's registers in the wgmma layout, so the split and join move no data."""
+    even, odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 2, 2]))
+    return tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    POLY_EXP2: tl.constexpr):
     """Online softmax (base 2): the tile's probabilities p, the factor alpha that rescales what was accumulated
-    before, and the new running max and sum."""
+    before, and the new running max and sum. POLY_EXP2: half of p from the FMA units (_exp2_split); the tile must
+    have no masked (-inf) scores."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: every tile holds at least one key < N
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    if POLY_EXP2:
+        p = _exp2_split(s * qk_scale - m_new[:, None], BLOCK_M, BLOCK_N)
+    else:
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
@@ -150,6 +187,7 @@ def _attn_fwd_kernel(
     PACK: tl.constexpr,  # stack the GROUP query heads of one K/V head in the tile's rows (GQA packing)
     TMA: tl.constexpr,  # load K/V tiles through tensor descriptors (Hopper's TMA copy engine)
     OVERLAP: tl.constexpr,  # issue the next tile's Q K^T before this tile's P V (softmax under the MMA; more registers)
+    POLY_EXP2: tl.constexpr,  # half of the full tiles' exp2 on the FMA units (bf16/fp16 only: 8.6e-5 relative error)
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Flat grid, tiles fastest (grid_triton.py). Each program owns BLOCK_M rows of queries:
@@ -219,25 +257,25 @@ def _attn_fwd_kernel(
         for start_n in range(0, n_full, BLOCK_N):
             s = _scores(q0, q1, k_desc0, k_desc1, k_base, start_n, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False,
                         TMA, DOT_PRECISION, UPCAST_DOT)
-            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
             acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
                                      HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     elif n_full > 0:
         s = _scores(q0, q1, k_desc0, k_desc1, k_base, 0, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
                     DOT_PRECISION, UPCAST_DOT)
         for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
-            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
             s = _scores(q0, q1, k_desc0, k_desc1, k_base, start_n + BLOCK_N, N, skn, skd, HEAD_DIM, D0, D1,
                         BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
             acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
                                      HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
         acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, n_full - BLOCK_N, N, svn, svd,
                                  HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     if n_full < N:
         s = _scores(q0, q1, k_desc0, k_desc1, k_base, n_full, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA,
                     DOT_PRECISION, UPCAST_DOT)
-        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale)
+        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, False)
         acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, n_full, N, svn, svd,
                                  HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
 
@@ -528,19 +566,26 @@ def _torch_scratch(size: int, alignment: int, stream):
 # registers) and with TMA at 128 x 128 (226-236), but the 256-row packed tiles and the cp.async 128 x 128 /
 # 64 x 128 tiles spill with it, so those run in the plain order. TMA configurations (K/V through descriptors) are
 # dropped where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_prune_forward).
+
+
+def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False):
+    return _configs(shapes, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2)
+
+
 _FWD_CONFIGS = (
-    _configs([(128, 64, 8, 3), (64, 64, 4, 4)], PACK=False, TMA=False, OVERLAP=True)
-    + _configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)], PACK=False, TMA=False, OVERLAP=False)
-    + _configs([(128, 64, 8, 3)], PACK=True, TMA=False, OVERLAP=True)
-    + _configs([(256, 64, 8, 2), (256, 64, 8, 3)], PACK=True, TMA=False, OVERLAP=False)
-    + _configs([(128, 64, 8, 3), (128, 128, 8, 2)], PACK=False, TMA=True, OVERLAP=True)
-    + _configs([(256, 64, 8, 2)], PACK=True, TMA=True, OVERLAP=False))
+    _fwd_configs([(128, 64, 8, 3), (64, 64, 4, 4)], overlap=True)
+    + _fwd_configs([(128, 64, 8, 3), (128, 128, 8, 3)])
+    + _fwd_configs([(128, 64, 8, 3)], pack=True, overlap=True)
+    + _fwd_configs([(256, 64, 8, 2)], pack=True)
+    + _fwd_configs([(128, 64, 8, 3), (128, 128, 8, 2)], tma=True, overlap=True)
+    + _fwd_configs([(256, 64, 8, 2)], pack=True, tma=True)
+    + _fwd_configs([(128, 64, 8, 3)], overlap=True, poly_exp2=True)
+    + _fwd_configs([(128, 64, 8, 3)], tma=True, overlap=True, poly_exp2=True))
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
 # fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
 # stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
-_FWD_CONFIGS_FP32 = (_configs([(128, 32, 8, 2), (64, 32, 4, 2)], PACK=False, TMA=False, OVERLAP=False)
-                     + _configs([(128, 32, 8, 2)], PACK=True, TMA=False, OVERLAP=False))
+_FWD_CONFIGS_FP32 = _fwd_configs([(128, 32, 8, 2), (64, 32, 4, 2)]) + _fwd_configs([(128, 32, 8, 2)], pack=True)
 _DKDV_CONFIGS_FP32 = _configs([(16, 64, 4, 2), (32, 64, 8, 2)])
 _DQ_CONFIGS_FP32 = _configs([(64, 16, 4, 2), (64, 32, 8, 2)])
 # GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
@@ -559,10 +604,11 @@ _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
 
 def config_label(constexprs: dict, num_warps: int, num_stages: int) -> str:
     """A configuration's name in benchmarks and inspection tables: BLOCK_M x BLOCK_N, warps, stages, then the
-    forward's flags: p GQA-packed tile, t K/V through TMA descriptors, o softmax overlapped with P V (OVERLAP).
-    e.g. 128x64w8s3o."""
+    forward's flags: p GQA-packed tile, t K/V through TMA descriptors, o softmax overlapped with P V (OVERLAP),
+    x half of the exp2s on the FMA units (POLY_EXP2). e.g. 128x64w8s3o."""
     c = constexprs
-    flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP")) if c.get(key))
+    flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"))
+                    if c.get(key))
     return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}"
 
 
@@ -605,6 +651,9 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
             tiles["PACK"] = pack_heads(tiles["BLOCK_M"], blocks.get("PACK", False), group) > 1
             tiles["TMA"] = bool(blocks.get("TMA", False))
             tiles["OVERLAP"] = bool(blocks.get("OVERLAP", True))
+            tiles["POLY_EXP2"] = bool(blocks.get("POLY_EXP2", False))
+            if tiles["POLY_EXP2"] and args[0].dtype == torch.float32:
+                raise ValueError("blocks['POLY_EXP2'] is for bf16/fp16 inputs (its exp2 is 8.6e-5 off; fp32 keeps MUFU)")
             if tiles["TMA"] and not tma_usable(args[1], args[2]):
                 raise ValueError("blocks['TMA'] is set but K/V cannot be read through TMA descriptors here "
                                  "(needs triton >= 3.4, a compute capability 9+ GPU, 16-byte-aligned heads)")

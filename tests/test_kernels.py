@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
@@ -335,6 +336,8 @@ FORWARD_VARIANTS = {  # the forward's loop and load variants, beside the default
     "tma-packed": dict(TMA=True, PACK=True),
     "plain-order": dict(OVERLAP=False),
     "plain-order-tma-packed": dict(OVERLAP=False, TMA=True, PACK=True),
+    "poly-exp2": dict(POLY_EXP2=True),  # half of the exp2s on the FMA units: bf16/fp16 only, not bit-identical
+    "poly-exp2-tma-packed": dict(POLY_EXP2=True, TMA=True, PACK=True),
 }
 VARIANT_CASES = [ATTN_CASES[i] for i in (0, 3, 5, 8, 9, 10)]  # GQA 1/2, D 64/76/80, one tile, no tail, 3 dtypes
 
@@ -347,15 +350,56 @@ def test_attention_forward_variants(variant, dtype, D, B, HQ, HKV, N):
     forward: the reference's tolerances, and on CPU the default forward's bits (the same dots in the same order
     for every row)."""
     q, k, v = bnhd(B, HQ, N, D, dtype, 11), bnhd(B, HKV, N, D, dtype, 12), bnhd(B, HKV, N, D, dtype, 13)
-    o, lse = attention_fwd(q, k, v, blocks=dict(BLOCKS, **FORWARD_VARIANTS[variant]), out=poisoned(q, "bhnd"))
+    blocks = dict(BLOCKS, **FORWARD_VARIANTS[variant])
+    if blocks.get("POLY_EXP2") and dtype == torch.float32:
+        with pytest.raises(ValueError, match="bf16/fp16"):
+            attention_fwd(q, k, v, blocks=blocks)
+        return
+    o, lse = attention_fwd(q, k, v, blocks=blocks, out=poisoned(q, "bhnd"))
     ref = attention_reference(q.double(), k.double(), v.double())
     assert not o.isnan().any(), "unwritten (NaN) elements"
     err = rel_err(o, ref)
     _record(f"attention {variant} {dtype} o rel err", err)
     assert err <= ATTN_TOL[dtype][0], f"o: relative error {err:.3e}"
-    if DEVICE == "cpu":
+    if blocks.get("POLY_EXP2"):
+        # Against the default forward: p is off by <= 7.5e-5 relative, which moves the rounding of some p to the
+        # input dtype (for the P V MMA) by one unit in the last place, and then the rounding of o: bounded here by
+        # 3 ulps of the largest |o| (bf16 2^-8, fp16 2^-11; seen: 1.9 ulps bf16, 0.9 fp16, ~27% of the elements
+        # differ). The row sums stay in fp32: lse (base 2) moves by ~7.5e-5 / ln 2 at most.
+        o_default, lse_default = attention_fwd(q, k, v, blocks=BLOCKS)
+        ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        err = rel_err(o, o_default)
+        _record(f"attention {variant} {dtype} o vs default", err)
+        assert err <= 3 * ulp, err
+        assert (lse - lse_default).abs().max().item() <= 1.1e-4
+    elif DEVICE == "cpu":
         o_default, lse_default = attention_fwd(q, k, v, blocks=BLOCKS)
         assert torch.equal(o, o_default) and torch.equal(lse, lse_default)
+
+
+@triton.jit
+def _exp2_fma_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    from kernels.attention_triton import _exp2_fma
+
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, _exp2_fma(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_exp2_on_fma_units():
+    """The FMA-unit exp2 (POLY_EXP2): relative error <= 7.6e-5 against 2^x in float64 for x in [-125, 0] (a dense
+    grid, integers and half-integers included, where the rounding splits x); below that, tiny non-negative values
+    (<= 2^-124: nothing next to a softmax row sum >= 1), including for -inf and -1e30."""
+    x = torch.cat([torch.linspace(-125, 0, 200_001), torch.arange(-125, 1.0), torch.arange(-124.5, 0, 1.0)])
+    tail = torch.tensor([-125.5, -126.0, -127.0, -200.0, -1e4, -1e30, float("-inf")])
+    xs = torch.cat([x, tail]).float().to(DEVICE)
+    y = torch.empty_like(xs)
+    _exp2_fma_kernel[(triton.cdiv(xs.numel(), 1024),)](xs, y, xs.numel(), BLOCK=1024)
+    want = torch.exp2(x.double())
+    err = ((y[:x.numel()].double().cpu() - want) / want).abs().max().item()
+    _record("exp2 on FMA units rel err", err)
+    assert err <= 7.6e-5, err
+    low = y[x.numel():].cpu()
+    assert (low >= 0).all() and (low <= 2.0 ** -124).all(), low
 
 
 def test_tma_needs_aligned_heads():
@@ -482,7 +526,6 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
 # GPU-only hazards, checked on small shapes: NaN bit patterns, int64 offsets, the grid limit
 # ----------------------------------------------------------------------------------------------------
 
-import triton.language as tl  # noqa: E402
 
 from kernels import grid_triton  # noqa: E402
 from kernels.qk_norm_rope_triton import _round  # noqa: E402
