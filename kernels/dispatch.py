@@ -184,7 +184,17 @@ def faster(key: str, run_triton, run_torch, timer=None) -> str:
     if _undecidable():
         return "torch"
     timer = timer or time_ms
-    ms = {"triton": timer(run_triton), "torch": timer(run_torch)}
+    try:
+        triton_ms = timer(run_triton)
+    except Exception as e:  # noqa: BLE001 - any failure of the Triton side: auto runs the reference instead
+        # A Triton configuration that fails on this GPU (compile error, resources, a launch refused) must not
+        # take the default path down: auto falls back to the reference, says why once, and remembers it for the
+        # process (not on disk: a fixed Triton or driver should be tried again).
+        _DECIDED[key] = {"choice": "torch", "triton_error": f"{type(e).__name__}: {str(e)[:300]}"}
+        log.warning("%s: torch (the Triton kernels failed: %s; SAPIENS2_KERNELS=triton shows the full error)",
+                    key, _DECIDED[key]["triton_error"])
+        return "torch"
+    ms = {"triton": triton_ms, "torch": timer(run_torch)}
     choice = "triton" if ms["triton"] < ms["torch"] else "torch"
     _DECIDED[key] = {"choice": choice, "ms": ms}
     log.info("%s: %s (triton %.3f ms, torch %.3f ms)", key, choice, ms["triton"], ms["torch"])

@@ -649,6 +649,29 @@ def test_auto_picks_the_faster_once_and_logs_once(fresh_dispatch, caplog, ms, wa
     assert calls == ["tri", "sdpa", "tri", "sdpa"] and dispatch.decisions()["case-b"]["choice"] == "torch"
 
 
+def test_auto_falls_back_when_triton_fails(fresh_dispatch, caplog, tmp_path, monkeypatch):
+    """A Triton side that raises (a configuration this GPU or Triton cannot compile or launch) does not take the
+    default path down: auto runs the reference, warns once with the error, remembers it in the process only (a
+    fixed Triton is tried again in the next process), and never times the reference for nothing."""
+    path = tmp_path / "choices.json"
+    monkeypatch.setenv("SAPIENS2_KERNELS_CACHE", str(path))
+    calls = []
+
+    def timer(fn):
+        calls.append(fn.__name__)
+        if fn.__name__ == "tri":
+            raise RuntimeError("out of resource: shared memory")
+        return 1.0
+    with caplog.at_level(logging.INFO, logger="sapiens2.kernels"):
+        for _ in range(2):
+            assert dispatch.faster("case-f", named("tri"), named("sdpa"), timer=timer) == "torch"
+    assert calls == ["tri"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "case-f" in r.getMessage()]
+    assert len(warnings) == 1 and "out of resource" in warnings[0].getMessage()
+    assert dispatch.decisions()["case-f"]["triton_error"] == "RuntimeError: out of resource: shared memory"
+    assert not path.exists()
+
+
 def test_auto_disk_cache(fresh_dispatch, tmp_path, monkeypatch):
     path = tmp_path / "sub" / "choices.json"
     monkeypatch.setenv("SAPIENS2_KERNELS_CACHE", str(path))
