@@ -23,6 +23,8 @@ accumulator; it writes o = acc / l and the log-sum-exp lse = m + log2(l) (base 2
       past N and the columns past D; else pointer loads that Triton pipelines with cp.async. TMA needs heads
       on 16-byte boundaries (tma_usable; the aligned layout gives that at 5b too) and an allocator for the
       descriptors (installed on first use unless the user set one).
+    * exp2 on the FMA units (POLY_EXP2, autotuned, bf16/fp16): half of the full tiles' exp2s (the odd columns)
+      from a degree-3 polynomial instead of MUFU, which at D = 64 is as slow as the tensor cores (_exp2_split).
     * Head dims that are not a power of two (80 in 0.8b, 76 in 5b) are NOT padded to 128: D is split into
       a power-of-two chunk D0 <= D plus a second chunk D1 = next_pow2(D - D0) >= 16 (80 = 64 + 16,
       76 = 64 + 16 with 12 columns masked, 96 = 64 + 32), each with its own tl.dot, so the MMA work is
@@ -46,7 +48,8 @@ SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTE
 Not done here (unmeasured without a GPU; see kernels/README.md): Triton's automatic warp specialization
 (tl.range(warp_specialize=True)) does not apply on sm_90 in triton 3.9 (with 8 warps the SASS is unchanged; with
 4 warps the pass fails to compile), so there is no producer warpgroup or ping-pong of two consumer warpgroups;
-no persistent grid; no polynomial exp2; the backward still loads through cp.async.
+no persistent grid. The backward has OVERLAP and TMA variants too (autotuned, see the configurations), no
+POLY_EXP2 (its exp2s are a smaller share of its work: 3 or 4 MMAs per tile of exp2s instead of 2).
 """
 
 import math
@@ -95,6 +98,25 @@ def _key_rows(desc, base, start_n, N, stride_n, stride_d, col0, HEAD_DIM: tl.con
             return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
         else:
             return tl.load(ptrs)
+
+
+@triton.jit
+def _kv_descriptors(k_base, v_base, N, skn, svn, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """TMA: descriptors of one K and one V head for each column chunk, shape (N, HEAD_DIM), so that the copy
+    engine zero-fills the rows past N and the columns past HEAD_DIM (76 -> 80 at 5b). Else the base pointers
+    (unused: _key_rows reads through pointers)."""
+    if TMA:
+        k0 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1], block_shape=[BLOCK_N, D0])
+        v0 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1], block_shape=[BLOCK_N, D0])
+        if D1 > 0:
+            k1 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1], block_shape=[BLOCK_N, D1])
+            v1 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1], block_shape=[BLOCK_N, D1])
+        else:
+            k1, v1 = k0, v0  # unused
+        return k0, k1, v0, v1
+    else:
+        return k_base, k_base, v_base, v_base
 
 
 @triton.jit
@@ -230,21 +252,7 @@ def _attn_fwd_kernel(
 
     k_base = k_ptr + b * skb + g * skh
     v_base = v_ptr + b * svb + g * svh
-    if TMA:
-        # One descriptor per head and column chunk: shape (N, HEAD_DIM), so the copy engine zero-fills the rows
-        # past N and the columns past HEAD_DIM (76 -> 80 at 5b).
-        k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1], block_shape=[BLOCK_N, D0])
-        v_desc0 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1], block_shape=[BLOCK_N, D0])
-        if D1 > 0:
-            k_desc1 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1],
-                                                block_shape=[BLOCK_N, D1])
-            v_desc1 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1],
-                                                block_shape=[BLOCK_N, D1])
-        else:
-            k_desc1, v_desc1 = k_desc0, v_desc0  # unused
-    else:
-        k_desc0, k_desc1 = k_base, k_base  # unused
-        v_desc0, v_desc1 = v_base, v_base  # unused
+    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_base, v_base, N, skn, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
 
     # The full key tiles, then one masked tail tile. With OVERLAP the full tiles are software-pipelined by hand:
     # the scores of tile j + 1 are computed before the P V product of tile j, so that on Hopper the P V wgmma is
@@ -314,8 +322,85 @@ def _attn_bwd_delta_kernel(
 
 
 @triton.jit
+def _query_rows(desc, image_base, h, start_m, N, sh, sn, sd, col0, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
+                BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+    """Rows start_m .. start_m + BLOCK_M, columns col0 .. col0 + COLS of query-side head h (q or dO) of one image:
+    (BLOCK_M, COLS), zero where row >= N or column >= HEAD_DIM. TMA: one load through the image's (N, Hq, D)
+    descriptor (one descriptor serves every head the loop visits)."""
+    if TMA:
+        return tl.reshape(desc.load([start_m, h.to(tl.int32), col0]), [BLOCK_M, COLS])
+    else:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = col0 + tl.arange(0, COLS)
+        ptrs = image_base + h * sh + offs_m[:, None] * sn + offs_d[None, :] * sd
+        return tl.load(ptrs, mask=(offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _query_descriptors(image_base, N, HQ, sh, sn, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                       BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+    """TMA: the (N, Hq, HEAD_DIM) descriptors of one image's q or dO for each column chunk; else the base pointer."""
+    if TMA:
+        d0 = tl.make_tensor_descriptor(image_base, shape=[N, HQ, HEAD_DIM], strides=[sn, sh, 1],
+                                       block_shape=[BLOCK_M, 1, D0])
+        if D1 > 0:
+            d1 = tl.make_tensor_descriptor(image_base, shape=[N, HQ, HEAD_DIM], strides=[sn, sh, 1],
+                                           block_shape=[BLOCK_M, 1, D1])
+        else:
+            d1 = d0  # unused
+        return d0, d1
+    else:
+        return image_base, image_base
+
+
+@triton.jit
+def _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd,
+                 HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
+                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """S^T = K Q^T for one query tile of head h: (BLOCK_N, BLOCK_M) fp32, and the Q tile's chunks."""
+    q0 = _query_rows(q_desc0, q_image, h, start_m, N, sqh, sqn, sqd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
+    qkT = _dot(k0, tl.trans(q0), None, DOT_PRECISION, UPCAST_DOT)
+    if D1 > 0:
+        q1 = _query_rows(q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
+        qkT = _dot(k1, tl.trans(q1), qkT, DOT_PRECISION, UPCAST_DOT)
+    else:
+        q1 = q0  # unused
+    return qkT, q0, q1
+
+
+@triton.jit
+def _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr, bh, h, start_m, N,
+                 sgh, sgn, sgd, qk_scale, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                 BLOCK_M: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """From S^T of one query tile: P^T = exp2(S^T * qk_scale - lse), dV += P^T dO, dP^T = V dO^T and
+    dS^T = P^T * (dP^T - delta) (rounded to the input dtype for the dK MMA). Rows >= N get lse = +inf: P = 0."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    lse = tl.load(lse_ptr + bh * N + offs_m, mask=offs_m < N, other=float("inf"))
+    delta = tl.load(delta_ptr + bh * N + offs_m, mask=offs_m < N, other=0.0)
+    do0 = _query_rows(do_desc0, do_image, h, start_m, N, sgh, sgn, sgd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
+    pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+    dv0 = _dot(pT.to(do0.dtype), do0, dv0, DOT_PRECISION, UPCAST_DOT)
+    dpT = _dot(v0, tl.trans(do0), None, DOT_PRECISION, UPCAST_DOT)
+    if D1 > 0:
+        do1 = _query_rows(do_desc1, do_image, h, start_m, N, sgh, sgn, sgd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
+        dv1 = _dot(pT.to(do1.dtype), do1, dv1, DOT_PRECISION, UPCAST_DOT)
+        dpT = _dot(v1, tl.trans(do1), dpT, DOT_PRECISION, UPCAST_DOT)
+    dsT = (pT * (dpT - delta[None, :])).to(do0.dtype)
+    return dv0, dv1, dsT
+
+
+@triton.jit
+def _dkdv_keys(dsT, q0, q1, dk0, dk1, D1: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """dK += dS^T Q (the scale is applied at the end)."""
+    dk0 = _dot(dsT, q0, dk0, DOT_PRECISION, UPCAST_DOT)
+    if D1 > 0:
+        dk1 = _dot(dsT, q1, dk1, DOT_PRECISION, UPCAST_DOT)
+    return dk0, dk1
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides
+    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides (TMA: aligned q and dO heads, unit stride on D)
     dk_ptr, dv_ptr,  # (B, Hkv, N, D) outputs, any strides
     lse_ptr, delta_ptr,  # (B * Hq, N) fp32 from the forward and the delta kernel
     N, HQ, HKV, GROUP, scale, qk_scale,
@@ -323,13 +408,18 @@ def _attn_bwd_dkdv_kernel(
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     BH,  # B * Hkv; only an autotuning key
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,  # load the q and dO tiles through tensor descriptors
+    OVERLAP: tl.constexpr,  # issue the next query tile's S^T before this tile's dK MMA (P^T under the MMA)
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """Flat grid of cdiv(N, BLOCK_N) * B * Hkv programs: BLOCK_N keys of one (b, g), summed over the GROUP
     query heads of g.
 
     Transposed formulation (rows = keys): pT = exp2(k q^T * qk_scale - lse), dV += pT dO,
-    dpT = v dO^T, dsT = pT * (dpT - delta), dK += dsT q (times scale at the end).
+    dpT = v dO^T, dsT = pT * (dpT - delta), dK += dsT q (times scale at the end). The loop visits the
+    (query head, query tile) pairs of the group; with OVERLAP the next pair's S^T is issued before this pair's dK
+    MMA, which is then in flight while the next P^T is computed (this pair's Q is loaded again for it).
     """
     tile, b, g = program_coords(tl.cdiv(N, BLOCK_N), HKV)
     start_n = tile * BLOCK_N
@@ -356,33 +446,52 @@ def _attn_bwd_dkdv_kernel(
         dk1 = dk0
         dv1 = dv0
 
-    for i in range(0, GROUP * tl.cdiv(N, BLOCK_M)):  # (query head of the group, query tile) pairs
-        h = g * GROUP + i // tl.cdiv(N, BLOCK_M)
-        offs_m = (i % tl.cdiv(N, BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        q_rows = q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn
-        do_rows = do_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn
-        q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)  # (BLOCK_M, D0)
-        do0 = tl.load(do_rows + offs_d0[None, :] * sgd, mask=mask_m[:, None], other=0.0)
-        # Rows >= N get lse = +inf, hence p = 0: they add nothing.
-        lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=float("inf"))
-        delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=mask_m, other=0.0)
-
-        qkT = _dot(k0, tl.trans(q0), None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_N, BLOCK_M)
+    q_image = q_ptr + b * sqb
+    do_image = do_ptr + b * sgb
+    q_desc0, q_desc1 = _query_descriptors(q_image, N, HQ, sqh, sqn, HEAD_DIM, D0, D1, BLOCK_M, TMA)
+    do_desc0, do_desc1 = _query_descriptors(do_image, N, HQ, sgh, sgn, HEAD_DIM, D0, D1, BLOCK_M, TMA)
+    num_tiles = tl.cdiv(N, BLOCK_M)
+    steps = GROUP * num_tiles  # (query head of the group, query tile) pairs
+    if not OVERLAP:
+        for i in range(0, steps):
+            h = g * GROUP + i // num_tiles
+            start_m = (i % num_tiles) * BLOCK_M
+            qkT, q0, q1 = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM,
+                                       D0, D1, BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+            dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
+                                         b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
+                                         BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
+    else:
+        h = g * GROUP
+        qkT, q0, q1 = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, 0, N, sqh, sqn, sqd, HEAD_DIM, D0, D1,
+                                   BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+        for i in range(0, steps - 1):
+            h = g * GROUP + i // num_tiles
+            start_m = (i % num_tiles) * BLOCK_M
+            dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
+                                         b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
+                                         BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+            next_h = g * GROUP + (i + 1) // num_tiles
+            qkT, _, _ = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, next_h, ((i + 1) % num_tiles) * BLOCK_M,
+                                     N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+            q0 = _query_rows(q_desc0, q_image, h, start_m, N, sqh, sqn, sqd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
+            if D1 > 0:
+                q1 = _query_rows(q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
+            else:
+                q1 = q0  # unused
+            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
+        h = g * GROUP + (steps - 1) // num_tiles
+        start_m = ((steps - 1) % num_tiles) * BLOCK_M
+        dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
+                                     b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
+                                     BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+        q0 = _query_rows(q_desc0, q_image, h, start_m, N, sqh, sqn, sqd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
         if D1 > 0:
-            q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-            do1 = tl.load(do_rows + offs_d1[None, :] * sgd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-            qkT = _dot(k1, tl.trans(q1), qkT, DOT_PRECISION, UPCAST_DOT)
-        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-        dv0 = _dot(pT.to(do0.dtype), do0, dv0, DOT_PRECISION, UPCAST_DOT)
-        dpT = _dot(v0, tl.trans(do0), None, DOT_PRECISION, UPCAST_DOT)
-        if D1 > 0:
-            dv1 = _dot(pT.to(do1.dtype), do1, dv1, DOT_PRECISION, UPCAST_DOT)
-            dpT = _dot(v1, tl.trans(do1), dpT, DOT_PRECISION, UPCAST_DOT)
-        dsT = (pT * (dpT - delta[None, :])).to(q0.dtype)
-        dk0 = _dot(dsT, q0, dk0, DOT_PRECISION, UPCAST_DOT)
-        if D1 > 0:
-            dk1 = _dot(dsT, q1, dk1, DOT_PRECISION, UPCAST_DOT)
+            q1 = _query_rows(q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
+        else:
+            q1 = q0  # unused
+        dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
 
     dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
     dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
@@ -397,47 +506,49 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_tile(
-    dq0, dq1, q0, q1, do0, do1, lse, delta,  # this program's state and query-side tiles
-    k_base, v_base, start_n, N, skn, skd, svn, svd, qk_scale,
-    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d0 = tl.arange(0, D0)
-    mask_n = offs_n < N
-    k_ptrs = k_base + offs_n[:, None] * skn + offs_d0[None, :] * skd
-    vt_ptrs = v_base + offs_n[None, :] * svn + offs_d0[:, None] * svd
-    if MASK_N:
-        k0 = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)  # (BLOCK_N, D0)
-        vt0 = tl.load(vt_ptrs, mask=mask_n[None, :], other=0.0)  # (D0, BLOCK_N)
-    else:
-        k0 = tl.load(k_ptrs)
-        vt0 = tl.load(vt_ptrs)
-    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)  # (BLOCK_M, BLOCK_N)
-    dp = _dot(do0, vt0, None, DOT_PRECISION, UPCAST_DOT)
+def _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, start_n, N, skn, skd, svn, svd,
+               HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """S = Q K^T and dP = dO V^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32 each."""
+    k0 = _key_rows(k_desc0, k_base, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    v0 = _key_rows(v_desc0, v_base, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
+    dp = _dot(do0, tl.trans(v0), None, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        offs_d1 = D0 + tl.arange(0, D1)
-        mask_d1 = offs_d1 < HEAD_DIM
-        k1 = tl.load(k_base + offs_n[:, None] * skn + offs_d1[None, :] * skd,
-                     mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
-        vt1 = tl.load(v_base + offs_n[None, :] * svn + offs_d1[:, None] * svd,
-                      mask=mask_d1[:, None] & mask_n[None, :], other=0.0)
+        k1 = _key_rows(k_desc1, k_base, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
+        v1 = _key_rows(v_desc1, v_base, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
-        dp = _dot(do1, vt1, dp, DOT_PRECISION, UPCAST_DOT)
+        dp = _dot(do1, tl.trans(v1), dp, DOT_PRECISION, UPCAST_DOT)
+    return s, dp
+
+
+@triton.jit
+def _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr):
+    """dS = P * (dP - delta), P = exp2(S * qk_scale - lse) recomputed from the forward's log-sum-exp; keys >= N
+    get P = 0 with MASK_N."""
     p = tl.math.exp2(s * qk_scale - lse[:, None])
     if MASK_N:
-        p = tl.where(mask_n[None, :], p, 0.0)
-    ds = (p * (dp - delta[:, None])).to(k0.dtype)
+        p = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], p, 0.0)
+    return p * (dp - delta[:, None])
+
+
+@triton.jit
+def _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, start_n, N, skn, skd,
+                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """dQ += dS K for one tile of keys (dS rounded to the input dtype for the MMA)."""
+    k0 = _key_rows(k_desc0, k_base, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    ds = ds.to(k0.dtype)
     dq0 = _dot(ds, k0, dq0, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
+        k1 = _key_rows(k_desc1, k_base, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         dq1 = _dot(ds, k1, dq1, DOT_PRECISION, UPCAST_DOT)
     return dq0, dq1
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides
+    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides (TMA: aligned K/V heads, unit stride on D)
     dq_ptr,  # (B, Hq, N, D) output, any strides
     lse_ptr, delta_ptr,  # (B * Hq, N) fp32
     N, HQ, GROUP, scale, qk_scale,
@@ -445,9 +556,15 @@ def _attn_bwd_dq_kernel(
     sdqb, sdqh, sdqn, sdqd,
     BH,  # B * Hq; only an autotuning key
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,  # load K/V tiles through tensor descriptors
+    OVERLAP: tl.constexpr,  # issue the next tile's S and dP before this tile's dQ MMA (dS under the MMA)
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of (P * (dP - delta)) K."""
+    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of (P * (dP - delta)) K.
+    The loop has the forward's two orders: plain (S, dP, dS, dQ += dS K for each tile) and OVERLAP, where tile
+    j + 1's S and dP are issued before tile j's dQ MMA, which is then in flight while dS of tile j + 1 is computed
+    (tile j's K is loaded again for it, from L2, rather than kept alive across the iteration)."""
     tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
     start_m = tile * BLOCK_M
     bh = b * HQ + h
@@ -476,15 +593,34 @@ def _attn_bwd_dq_kernel(
 
     k_base = k_ptr + b * skb + g * skh
     v_base = v_ptr + b * svb + g * svh
+    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_base, v_base, N, skn, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
     n_full = (N // BLOCK_N) * BLOCK_N
-    for start_n in range(0, n_full, BLOCK_N):
-        dq0, dq1 = _attn_bwd_dq_tile(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, start_n, N,
-                                     skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N, False,
-                                     DOT_PRECISION, UPCAST_DOT)
+    if not OVERLAP:
+        for start_n in range(0, n_full, BLOCK_N):
+            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, start_n, N,
+                               skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+            ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
+            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, start_n, N, skn, skd, HEAD_DIM, D0,
+                                      D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+    elif n_full > 0:
+        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, 0, N,
+                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+        for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
+            ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
+            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base,
+                               start_n + BLOCK_N, N, skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
+                               DOT_PRECISION, UPCAST_DOT)
+            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, start_n, N, skn, skd, HEAD_DIM, D0,
+                                      D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+        ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full - BLOCK_N, N, BLOCK_N, False)
+        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, n_full - BLOCK_N, N, skn, skd, HEAD_DIM,
+                                  D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     if n_full < N:
-        dq0, dq1 = _attn_bwd_dq_tile(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, n_full, N,
-                                     skn, skd, svn, svd, qk_scale, HEAD_DIM, D0, D1, BLOCK_N, True,
-                                     DOT_PRECISION, UPCAST_DOT)
+        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, n_full, N,
+                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
+        ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full, N, BLOCK_N, True)
+        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, n_full, N, skn, skd, HEAD_DIM, D0, D1,
+                                  BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
 
     dq_rows = dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqn
     dq_dtype = dq_ptr.dtype.element_ty
@@ -510,14 +646,20 @@ def pack_heads(block_m: int, pack: bool, group: int) -> int:
     return group if pack and group > 1 and block_m % group == 0 else 1
 
 
-def _prune_forward(configs, named_args, **kwargs):
-    """Autotuning: drop the packed forward configurations that cannot pack (MHA, or GROUP not dividing
-    BLOCK_M), and the TMA ones where the K/V tensors cannot be read through descriptors; their twins stay."""
-    group = kwargs.get("GROUP", named_args.get("GROUP"))
-    tma = tma_usable(named_args["k_ptr"], named_args["v_ptr"])
-    return [c for c in configs
-            if (not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1)
-            and (tma or not c.kwargs.get("TMA"))]
+# The tensors each kernel streams through TMA descriptors when its TMA flag is on (its argument names).
+_TMA_OPERANDS = {"fwd": ("k_ptr", "v_ptr"), "dq": ("k_ptr", "v_ptr"), "dkdv": ("q_ptr", "do_ptr")}
+
+
+def _pruner(name):
+    """Autotuning: drop the packed forward configurations that cannot pack (MHA, or GROUP not dividing BLOCK_M),
+    and the TMA ones where the streamed tensors cannot be read through descriptors; their twins stay."""
+    def prune(configs, named_args, **kwargs):
+        group = kwargs.get("GROUP", named_args.get("GROUP"))
+        tma = tma_usable(*(named_args[n] for n in _TMA_OPERANDS[name]))
+        return [c for c in configs
+                if (not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1)
+                and (tma or not c.kwargs.get("TMA"))]
+    return prune
 
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
@@ -561,11 +703,15 @@ def _torch_scratch(size: int, alignment: int, stream):
 # reads of the 128-row tiles, with 214-246 registers and no spills at D = 64/80/76 (an unpacked 256-row tile
 # hits 255 registers and local memory at D = 80, and pads N = 3081 to 3328 rows instead of 3200). Packed
 # twins of the smaller tiles only shorten the ragged last tile. The autotuner times packed and unpacked
-# configurations alike; packed ones are dropped for MHA blocks (_prune_forward).
+# configurations alike; packed ones are dropped for MHA blocks (_pruner).
 # OVERLAP (the softmax under the P V wgmma) keeps a second score tile alive: spill-free at 128 x 64 (138-191
 # registers) and with TMA at 128 x 128 (226-236), but the 256-row packed tiles and the cp.async 128 x 128 /
 # 64 x 128 tiles spill with it, so those run in the plain order. TMA configurations (K/V through descriptors) are
-# dropped where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_prune_forward).
+# dropped where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_pruner).
+# Backward: OVERLAP (the next tile's scores issued before this tile's dQ or dK MMA) and TMA (dQ streams K/V, dK/dV
+# streams q/dO) where they compile without spills at D = 64/80/76: dK/dV with both spills at 5b (76), and its
+# 64 x 128 overlapped tile spills everywhere, so dK/dV has them apart; 32-row dK/dV tiles with OVERLAP (201-206
+# registers), dQ 128 x 64 with OVERLAP (237 registers) and with TMA (209-226).
 
 
 def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False):
@@ -581,25 +727,39 @@ _FWD_CONFIGS = (
     + _fwd_configs([(256, 64, 8, 2)], pack=True, tma=True)
     + _fwd_configs([(128, 64, 8, 3)], overlap=True, poly_exp2=True)
     + _fwd_configs([(128, 64, 8, 3)], tma=True, overlap=True, poly_exp2=True))
-_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
+
+
+def _bwd_configs(shapes, tma=False, overlap=False):
+    return _configs(shapes, TMA=tma, OVERLAP=overlap)
+
+
+_DKDV_CONFIGS = (_bwd_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
+                 + _bwd_configs([(32, 128, 8, 3)], overlap=True)
+                 + _bwd_configs([(32, 128, 8, 3), (64, 128, 8, 3)], tma=True))
+_DQ_CONFIGS = (_bwd_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
+               + _bwd_configs([(128, 64, 8, 3), (64, 64, 4, 3)], overlap=True)
+               + _bwd_configs([(128, 64, 8, 3)], tma=True, overlap=True))
 # fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
 # stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
 _FWD_CONFIGS_FP32 = _fwd_configs([(128, 32, 8, 2), (64, 32, 4, 2)]) + _fwd_configs([(128, 32, 8, 2)], pack=True)
-_DKDV_CONFIGS_FP32 = _configs([(16, 64, 4, 2), (32, 64, 8, 2)])
-_DQ_CONFIGS_FP32 = _configs([(64, 16, 4, 2), (64, 32, 8, 2)])
+_DKDV_CONFIGS_FP32 = _bwd_configs([(16, 64, 4, 2), (32, 64, 8, 2)])
+_DQ_CONFIGS_FP32 = _bwd_configs([(64, 16, 4, 2), (64, 32, 8, 2)])
 # GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
 # tile (nor the same K/V traffic).
 _KEY = ["N", "BH", "HEAD_DIM", "GROUP"]
-_PRUNE = {"early_config_prune": _prune_forward}
+
+
+def _autotuned(kernel, name, configs):
+    return triton.autotune(configs, key=_KEY, prune_configs_by={"early_config_prune": _pruner(name)})(kernel)
+
 
 _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
-    ("fwd", False): triton.autotune(_FWD_CONFIGS, key=_KEY, prune_configs_by=_PRUNE)(_attn_fwd_kernel),
-    ("dkdv", False): triton.autotune(_DKDV_CONFIGS, key=_KEY)(_attn_bwd_dkdv_kernel),
-    ("dq", False): triton.autotune(_DQ_CONFIGS, key=_KEY)(_attn_bwd_dq_kernel),
-    ("fwd", True): triton.autotune(_FWD_CONFIGS_FP32, key=_KEY, prune_configs_by=_PRUNE)(_attn_fwd_kernel),
-    ("dkdv", True): triton.autotune(_DKDV_CONFIGS_FP32, key=_KEY)(_attn_bwd_dkdv_kernel),
-    ("dq", True): triton.autotune(_DQ_CONFIGS_FP32, key=_KEY)(_attn_bwd_dq_kernel),
+    ("fwd", False): _autotuned(_attn_fwd_kernel, "fwd", _FWD_CONFIGS),
+    ("dkdv", False): _autotuned(_attn_bwd_dkdv_kernel, "dkdv", _DKDV_CONFIGS),
+    ("dq", False): _autotuned(_attn_bwd_dq_kernel, "dq", _DQ_CONFIGS),
+    ("fwd", True): _autotuned(_attn_fwd_kernel, "fwd", _FWD_CONFIGS_FP32),
+    ("dkdv", True): _autotuned(_attn_bwd_dkdv_kernel, "dkdv", _DKDV_CONFIGS_FP32),
+    ("dq", True): _autotuned(_attn_bwd_dq_kernel, "dq", _DQ_CONFIGS_FP32),
 }
 
 def config_label(constexprs: dict, num_warps: int, num_stages: int) -> str:
@@ -633,32 +793,38 @@ def compiled_for_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+# The variant flags a kernel may take (the constexprs it declares), and their values when the tiles are fixed and
+# the flag is not given.
+_FLAG_DEFAULTS = {"PACK": False, "TMA": False, "OVERLAP": True, "POLY_EXP2": False}
+
+
 def _launch(kernel, name, grid, args, consts, blocks, group=None):
     """Run the autotuned `name` kernel on CUDA unless `blocks` (or PINNED_BLOCKS) fixes the tiles; the plain
-    kernel otherwise. `grid` maps the tile constexprs (BLOCK_M, BLOCK_N, PACK) to the launch grid; `group`
-    (the forward's GROUP) resolves a fixed `blocks["PACK"]` with pack_heads, and a fixed `blocks["TMA"]` must be
-    usable (tma_usable) for K and V (args[1], args[2])."""
+    kernel otherwise. `grid` maps the tile constexprs (BLOCK_M, BLOCK_N, PACK) to the launch grid. With fixed tiles
+    the variant flags the kernel declares come from `blocks` (_FLAG_DEFAULTS otherwise): `group` (the forward's
+    GROUP) resolves PACK with pack_heads, TMA must be usable for the tensors the kernel streams."""
     blocks = blocks if blocks is not None else PINNED_BLOCKS
-    if name == "fwd" and compiled_for_gpu(args[0]) and tma_usable(args[1], args[2]):
+    streamed = [args[kernel.arg_names.index(n)] for n in _TMA_OPERANDS[name]]
+    tma = tma_usable(*streamed)
+    if tma and compiled_for_gpu(args[0]):
         _ensure_allocator()
     if blocks is None and compiled_for_gpu(args[0]):
         tuned = _TUNED[name, args[0].dtype == torch.float32]
         tuned[grid](*args, **consts)
-    else:
-        blocks = blocks or INTERPRET_BLOCKS
-        tiles = {"BLOCK_M": blocks["BLOCK_M"], "BLOCK_N": blocks["BLOCK_N"]}
-        if group is not None:
-            tiles["PACK"] = pack_heads(tiles["BLOCK_M"], blocks.get("PACK", False), group) > 1
-            tiles["TMA"] = bool(blocks.get("TMA", False))
-            tiles["OVERLAP"] = bool(blocks.get("OVERLAP", True))
-            tiles["POLY_EXP2"] = bool(blocks.get("POLY_EXP2", False))
-            if tiles["POLY_EXP2"] and args[0].dtype == torch.float32:
-                raise ValueError("blocks['POLY_EXP2'] is for bf16/fp16 inputs (its exp2 is 8.6e-5 off; fp32 keeps MUFU)")
-            if tiles["TMA"] and not tma_usable(args[1], args[2]):
-                raise ValueError("blocks['TMA'] is set but K/V cannot be read through TMA descriptors here "
-                                 "(needs triton >= 3.4, a compute capability 9+ GPU, 16-byte-aligned heads)")
-        kernel[grid(tiles)](*args, **consts, **tiles, num_warps=blocks.get("num_warps", 4),
-                            num_stages=blocks.get("num_stages", 2))
+        return
+    blocks = blocks or INTERPRET_BLOCKS
+    tiles = {"BLOCK_M": blocks["BLOCK_M"], "BLOCK_N": blocks["BLOCK_N"]}
+    tiles.update({flag: bool(blocks.get(flag, default)) for flag, default in _FLAG_DEFAULTS.items()
+                  if flag in kernel.arg_names})
+    if tiles.get("PACK"):
+        tiles["PACK"] = pack_heads(tiles["BLOCK_M"], True, group) > 1
+    if tiles.get("POLY_EXP2") and args[0].dtype == torch.float32:
+        raise ValueError("blocks['POLY_EXP2'] is for bf16/fp16 inputs (its exp2 is 7.5e-5 off; fp32 keeps MUFU)")
+    if tiles.get("TMA") and not tma:
+        raise ValueError(f"blocks['TMA'] is set but {' and '.join(_TMA_OPERANDS[name])} cannot be read through TMA "
+                         "descriptors here (needs triton >= 3.4, a compute capability 9+ GPU, 16-byte-aligned heads)")
+    kernel[grid(tiles)](*args, **consts, **tiles, num_warps=blocks.get("num_warps", 4),
+                        num_stages=blocks.get("num_stages", 2))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -315,16 +315,16 @@ def test_attention_forward_gqa_packed(dtype, D, B, HQ, HKV, N, monkeypatch):
 def test_gqa_packing_only_where_the_group_divides_the_tile():
     """pack_heads: the one rule for the grid and the kernel; the autotuner keeps packed configurations only
     for GQA blocks whose GROUP divides BLOCK_M (their unpacked twins always stay)."""
-    from kernels.attention_triton import _FWD_CONFIGS, _prune_forward, pack_heads
+    from kernels.attention_triton import _FWD_CONFIGS, _pruner, pack_heads
 
     assert [pack_heads(16, True, g) for g in (1, 2, 3, 4)] == [1, 2, 1, 4]
     assert pack_heads(16, False, 2) == 1
     packed = [c for c in _FWD_CONFIGS if c.kwargs.get("PACK")]
     assert packed and len(packed) < len(_FWD_CONFIGS)
     kv = {"k_ptr": bnhd(1, 1, 20, 16, torch.float32, 0), "v_ptr": bnhd(1, 1, 20, 16, torch.float32, 1)}
-    assert _prune_forward(_FWD_CONFIGS, kv, GROUP=1) == [c for c in _FWD_CONFIGS if c not in packed]
-    assert _prune_forward(_FWD_CONFIGS, kv, GROUP=3) == [c for c in _FWD_CONFIGS if c not in packed]
-    assert _prune_forward(_FWD_CONFIGS, kv, GROUP=2) == _FWD_CONFIGS
+    assert _pruner("fwd")(_FWD_CONFIGS, kv, GROUP=1) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _pruner("fwd")(_FWD_CONFIGS, kv, GROUP=3) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _pruner("fwd")(_FWD_CONFIGS, kv, GROUP=2) == _FWD_CONFIGS
     # a GROUP that does not divide the tile falls back to one head per program (same values, plain grid)
     q, kv = bnhd(1, 3, 20, 16, torch.float32, 40), bnhd(1, 1, 20, 16, torch.float32, 41)
     o, _ = attention_fwd(q, kv, kv, blocks=dict(BLOCKS, PACK=True))
@@ -377,6 +377,35 @@ def test_attention_forward_variants(variant, dtype, D, B, HQ, HKV, N):
         assert torch.equal(o, o_default) and torch.equal(lse, lse_default)
 
 
+BACKWARD_VARIANTS = {  # the backward's loop and load variants, beside the default (OVERLAP, pointer loads)
+    "plain-order": dict(OVERLAP=False),
+    "tma": dict(TMA=True),  # dQ streams K/V, dK/dV streams q/dO through descriptors
+    "tma-plain-order": dict(TMA=True, OVERLAP=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
+@pytest.mark.parametrize("dtype,D,B,HQ,HKV,N", VARIANT_CASES)
+def test_attention_backward_variants(variant, dtype, D, B, HQ, HKV, N):
+    """The dQ and dK/dV kernels in the plain loop order and with TMA loads: the reference's gradients (the
+    default's tolerances) and, on CPU, the default backward's bits (same dots, same order)."""
+    q, k, v = bnhd(B, HQ, N, D, dtype, 11), bnhd(B, HKV, N, D, dtype, 12), bnhd(B, HKV, N, D, dtype, 13)
+    do = bnhd(B, HQ, N, D, dtype, 14)
+    o, lse = attention_fwd(q, k, v, blocks=BLOCKS)
+    grads = attention_bwd(q, k, v, o, lse, do, blocks=dict(BLOCKS, **BACKWARD_VARIANTS[variant]),
+                          out=(poisoned(q), poisoned(k, "bhnd"), poisoned(v)))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attention_reference(*leaves), leaves, do.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        assert not got.isnan().any(), f"{name}: unwritten (NaN) elements"
+        err = rel_err(got, ref)
+        _record(f"attention bwd {variant} {dtype} {name} rel err", err)
+        assert err <= ATTN_TOL[dtype][1], f"{name}: relative error {err:.3e}"
+    if DEVICE == "cpu":
+        for got, default in zip(grads, attention_bwd(q, k, v, o, lse, do, blocks=BLOCKS)):
+            assert torch.equal(got, default)
+
+
 @triton.jit
 def _exp2_fma_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     from kernels.attention_triton import _exp2_fma
@@ -405,16 +434,16 @@ def test_exp2_on_fma_units():
 def test_tma_needs_aligned_heads():
     """TMA descriptors need 16-byte-aligned heads: a K/V tensor that starts 4 bytes off is refused when the tiles
     are pinned with TMA (a clear error), and the autotuner drops its TMA configurations (the cp.async ones stay)."""
-    from kernels.attention_triton import _FWD_CONFIGS, _prune_forward, tma_usable
+    from kernels.attention_triton import _FWD_CONFIGS, _pruner, tma_usable
 
     q, k = bnhd(1, 2, 20, 16, torch.float32, 50), bnhd(1, 2, 20, 16, torch.float32, 51)
     shifted = torch.randn(1 * 20 * 2 * 16 + 1, device=DEVICE)[1:].view(1, 20, 2, 16).transpose(1, 2)
     assert tma_usable(k, k) and not tma_usable(k, shifted)
     with pytest.raises(ValueError, match="TMA"):
         attention_fwd(q, k, shifted, blocks=dict(BLOCKS, TMA=True))
-    kept = _prune_forward(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": shifted}, GROUP=1)
+    kept = _pruner("fwd")(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": shifted}, GROUP=1)
     assert kept and not any(c.kwargs["TMA"] for c in kept)
-    assert any(c.kwargs["TMA"] for c in _prune_forward(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": k}, GROUP=1))
+    assert any(c.kwargs["TMA"] for c in _pruner("fwd")(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": k}, GROUP=1))
     o, _ = attention_fwd(q, k, shifted, blocks=BLOCKS)  # the pointer path reads it
     assert rel_err(o, attention_reference(q.double(), k.double(), shifted.double())) < ATTN_TOL[torch.float32][0]
 
