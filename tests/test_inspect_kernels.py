@@ -111,6 +111,32 @@ def test_tma_and_overlapped_softmax_on_hopper(cuobjdump, tmp_path):
     assert tma["utmaldg"] > 0 and tma["ldgsts"] == 0 and overlapped["utmaldg"] == 0 and overlapped["ldgsts"] > 0
 
 
+def test_backward_variants_on_hopper(cuobjdump, tmp_path):
+    """The 5b backward (D = 76) variants, compiled for sm_90a without spills: dQ with OVERLAP keeps its dQ MMA in
+    flight under the next tile's exp2s (at most 2 of 32 outside), dK/dV with OVERLAP overlaps every exp2, and
+    with TMA both load their streamed tiles with UTMALDG instead of cp.async."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
+                          "--presets", "5b", "--blocks", "mha", "--only", "dkdv|dq",
+                          "--cfg", "^(128x64w8s3(o|to)|32x128w8s3(o|t))$", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {(r["name"], r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r
+            for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4
+    for r in rows.values():
+        assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["ldl"] == r["stl"] == 0, r
+        assert r["hgmma"] > 0 and r["ldg_16bit"] == 0
+    dq_overlap, dq_tma = rows["_attn_bwd_dq_kernel", False, True], rows["_attn_bwd_dq_kernel", True, True]
+    dkdv_overlap, dkdv_tma = rows["_attn_bwd_dkdv_kernel", False, True], rows["_attn_bwd_dkdv_kernel", True, False]
+    assert dq_overlap["loop_ex2_under_wgmma"] >= dq_overlap["loop_ex2"] - 2 > 0, dq_overlap
+    assert dkdv_overlap["loop_ex2_under_wgmma"] == dkdv_overlap["loop_ex2"] > 0, dkdv_overlap
+    assert dq_tma["utmaldg"] > 0 and dq_tma["ldgsts"] == 0, dq_tma
+    # dK/dV: the q and dO tiles move to TMA; only the small lse/delta vectors stay on cp.async
+    assert dkdv_tma["utmaldg"] > 0 and dkdv_tma["ldgsts"] < dkdv_overlap["ldgsts"] / 4, dkdv_tma
+
+
 def test_softmax_overlap_reading():
     """The loop reader: a wgmma issued at the end of an iteration is in flight at the top of the next one; a wait
     to 0 ends it; a barrier-retry stub after EXIT is not a loop."""
