@@ -86,12 +86,12 @@ def intercepted(launches: list):
     def autotuned_run(self, *args, **kwargs):
         self.nargs = dict(zip(self.arg_names, args))  # what Autotuner.run sets before pruning
         kept = self.early_config_prune(self.configs, self.nargs, **kwargs) if self.early_config_prune else self.configs
-        configs = [(dict(c.kwargs), c.num_warps, c.num_stages) for c in kept]
+        configs = [(dict(c.kwargs), c.num_warps, c.num_stages, c.maxnreg) for c in kept]
         launches.append((self.fn, args, kwargs, configs))
 
     def jit_run(self, *args, grid, warmup, **kwargs):
         kwargs = dict(kwargs, grid=grid)
-        config = ({}, kwargs.pop("num_warps", 4), kwargs.pop("num_stages", 3))
+        config = ({}, kwargs.pop("num_warps", 4), kwargs.pop("num_stages", 3), kwargs.pop("maxnreg", None))
         launches.append((self, args, kwargs, [config]))
 
     saved = Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, attention_triton._has_tma_engine
@@ -243,26 +243,37 @@ def sass_counts(sass: str) -> dict:
 _SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def softmax_overlap(sass: str) -> dict:
-    """How much of the softmax runs while a wgmma is in flight, read from the SASS of the kernel's loops.
+def _instructions(sass: str) -> list[tuple[int, str, str]]:
+    return [(int(a, 16), op, args.strip()) for a, op, args in _SASS_INSTRUCTION.findall(sass)]
 
-    A loop is a backward branch whose body has both HGMMA and MUFU.EX2 (the exp2 of the softmax) and no EXIT (that
-    excludes the retry stubs of barrier waits placed after the exit). A wgmma group is in flight from its last
-    HGMMA (the one marked gsb0) until a WARPGROUP.DEPBAR.LE lowers the outstanding count below it. The body is
-    scanned twice and the second pass counted, so that a wgmma issued at the end of an iteration counts as in
-    flight at the start of the next one. `loop_ex2_under_wgmma == loop_ex2` means every exp2 of the loop overlaps a
-    tensor-core MMA (FlashAttention-3's intra-warpgroup overlap); 0 means the MMAs and the softmax alternate."""
-    instructions = [(int(a, 16), op, args.strip()) for a, op, args in _SASS_INSTRUCTION.findall(sass)]
-    loops = []
+
+def _loop_bodies(instructions) -> list[list[tuple[str, str]]]:
+    """The (opcode, operands) of each loop: a backward branch's target up to the branch, excluding bodies with an
+    EXIT (the retry stubs of barrier waits, placed after the exit, branch back into the code)."""
+    bodies = []
     for address, op, args in instructions:
         target = re.match(r"(0x[0-9a-f]+)", args) if op == "BRA" else None
         if target and int(target[1], 16) < address:
-            loops.append((int(target[1], 16), address))
+            body = [(o, a) for at, o, a in instructions if int(target[1], 16) <= at <= address]
+            if all(o != "EXIT" for o, _ in body):
+                bodies.append(body)
+    return bodies
+
+
+def softmax_overlap(sass: str) -> dict:
+    """How much of the softmax runs while a wgmma is in flight, read from the SASS of the kernel's loops.
+
+    Loops with both HGMMA and MUFU.EX2 (the exp2 of the softmax) count. A wgmma group is in flight from its last
+    HGMMA (the one marked gsb0) until a WARPGROUP.DEPBAR.LE lowers the outstanding count below it. The body is
+    scanned twice and the second pass counted, so that a wgmma issued at the end of an iteration counts as in
+    flight at the start of the next one. `loop_ex2_under_wgmma == loop_ex2` means every exp2 of the loop overlaps a
+    tensor-core MMA (FlashAttention-3's intra-warpgroup overlap); 0 means the MMAs and the softmax alternate.
+    `loop_local_memory`: LDL/STL inside any loop (local memory outside the loops costs once per program)."""
     total = overlapped = 0
-    for start, end in loops:
-        body = [(op, args) for a, op, args in instructions if start <= a <= end]
+    bodies = _loop_bodies(_instructions(sass))
+    for body in bodies:
         ops = [op for op, _ in body]
-        if "EXIT" in ops or "MUFU.EX2" not in ops or not any(op.startswith("HGMMA") for op in ops):
+        if "MUFU.EX2" not in ops or not any(op.startswith("HGMMA") for op in ops):
             continue
         in_flight = 0
         for counting in (False, True):
@@ -274,7 +285,8 @@ def softmax_overlap(sass: str) -> dict:
                 elif op == "MUFU.EX2" and counting:
                     total += 1
                     overlapped += in_flight > 0
-    return {"loop_ex2": total, "loop_ex2_under_wgmma": overlapped}
+    local = sum(op.split(".")[0] in ("LDL", "STL") for body in bodies for op, _ in body)
+    return {"loop_ex2": total, "loop_ex2_under_wgmma": overlapped, "loop_local_memory": local}
 
 
 def ptxas_report(ptx: str, arch: str, workdir: pathlib.Path) -> dict:
@@ -349,25 +361,30 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
                 name = fn.__name__
                 if only and not re.search(only, name):
                     continue
-                for config_kwargs, num_warps, num_stages in configs[:1] if first_config else configs:
-                    cfg_label = attention_triton.config_label({**kwargs, **config_kwargs}, num_warps, num_stages)
+                for config_kwargs, num_warps, num_stages, maxnreg in configs[:1] if first_config else configs:
+                    cfg_label = attention_triton.config_label({**kwargs, **config_kwargs}, num_warps, num_stages,
+                                                              maxnreg)
                     if cfg and not re.search(cfg, cfg_label):
                         continue
                     bound = bind(fn, args, kwargs, config_kwargs)
                     src, signature, constexprs, attrs = aot_source(fn, bound)
                     key = json.dumps([name, signature, sorted(map(str, constexprs.items())), sorted(map(str, attrs)),
-                                      num_warps, num_stages])
+                                      num_warps, num_stages, maxnreg])
                     if key not in compiled:
                         t = time.time()
-                        kernel = triton.compile(src, target=target,
-                                                options={"num_warps": num_warps, "num_stages": num_stages})
-                        compiled[key] = {**inspect_compiled(kernel, arch), "compile_s": round(time.time() - t, 1)}
+                        options = {"num_warps": num_warps, "num_stages": num_stages}
+                        if maxnreg:
+                            options["maxnreg"] = maxnreg
+                        kernel = triton.compile(src, target=target, options=options)
+                        report = inspect_compiled(kernel, arch)
+                        compiled[key] = {**report, "ctas_per_sm": ctas_per_sm(report, num_warps),
+                                         "compile_s": round(time.time() - t, 1)}
                     grid = kwargs["grid"]
                     grid = grid(bound) if callable(grid) else grid
                     row = {"name": name, "preset": preset, "block": label, "pass": pas, "B": B, "Hq": HQ, "Hkv": HKV,
                            "N": N, "D": D, "dtype": str(DTYPE).replace("torch.", ""),
                            "constexprs": constexpr_summary(fn, constexprs), "num_warps": num_warps,
-                           "num_stages": num_stages, "grid": list(grid),
+                           "num_stages": num_stages, "maxnreg": maxnreg, "grid": list(grid),
                            "divisible_by_16": [fn.arg_names[i] for (i,) in attrs],
                            **kv_traffic(name, constexprs_by_name(fn, constexprs), grid, N, D),
                            **compiled[key]}
@@ -376,15 +393,31 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
     return rows
 
 
+# Hopper (sm_90) per SM: 65,536 registers, allocated per warp in units of 256 (8 per thread); 228 KiB of shared
+# memory of which 227 KiB per block, 1 KiB reserved per resident block; 64 warps.
+SM_REGISTERS, SM_SHARED_BYTES, BLOCK_RESERVED_SHARED, SM_WARPS = 65536, 228 * 1024, 1024, 64
+
+
+def ctas_per_sm(report: dict, num_warps: int) -> int:
+    """How many programs of this kernel fit one Hopper SM at once (registers, shared memory, warps): 1 means
+    the SM's latency hiding is all inside one program."""
+    regs = -(-report["registers"] // 8) * 8
+    by_registers = SM_REGISTERS // (regs * 32 * num_warps)
+    by_shared = SM_SHARED_BYTES // (report["shared_bytes"] + BLOCK_RESERVED_SHARED)
+    return min(by_registers, by_shared, SM_WARPS // num_warps)
+
+
 COLUMNS = [("preset", 5), ("block", 5), ("name", 26), ("cfg", 18), ("regs", 4), ("spill", 5), ("smem", 6),
-           ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7), ("ex2@mma", 7), ("kvGB", 5)]
+           ("cta/sm", 6), ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7),
+           ("ex2@mma", 7), ("kvGB", 5)]
 
 
 def format_row(r) -> str:
-    cfg = attention_triton.config_label(r["constexprs"], r["num_warps"], r["num_stages"])
+    cfg = attention_triton.config_label(r["constexprs"], r["num_warps"], r["num_stages"], r.get("maxnreg"))
     kv = f"{r['kv_bytes_total'] / 1e9:.2f}" if "kv_bytes_total" in r else ""
     spill = (r["spill_store_bytes"] or 0) + (r["spill_load_bytes"] or 0)
-    cells = [r["preset"], r["block"], r["name"], cfg, r["registers"], spill, r["shared_bytes"], r["hgmma"],
+    cells = [r["preset"], r["block"], r["name"], cfg, r["registers"], spill, r["shared_bytes"], r["ctas_per_sm"],
+             r["hgmma"],
              f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"],
              f"{r['loop_ex2_under_wgmma']}/{r['loop_ex2']}" if r["loop_ex2"] else "", kv]
     return "  ".join(str(v).ljust(w) for v, (_, w) in zip(cells, COLUMNS))

@@ -635,8 +635,8 @@ def _attn_bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _configs(shapes, **constexprs):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **constexprs}, num_warps=w, num_stages=s)
+def _configs(shapes, maxnreg=None, **constexprs):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **constexprs}, num_warps=w, num_stages=s, maxnreg=maxnreg)
             for m, n, w, s in shapes]
 
 
@@ -708,19 +708,24 @@ def _torch_scratch(size: int, alignment: int, stream):
 # registers) and with TMA at 128 x 128 (226-236), but the 256-row packed tiles and the cp.async 128 x 128 /
 # 64 x 128 tiles spill with it, so those run in the plain order. TMA configurations (K/V through descriptors) are
 # dropped where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_pruner).
+# r128 (maxnreg=128): the plain 128 x 64 tile compiles into 122-128 registers without spills at D = 64/80/76, so
+# two 8-warp programs fit an SM (65,536 registers) and each one's MMAs overlap the other's softmax, the way
+# FlashAttention-3 pairs two warpgroups (column cta/sm of bench/inspect_kernels.py). The OVERLAP tiles spill
+# under that cap (4-88 bytes): they run one program per SM, their overlap inside the program.
 # Backward: OVERLAP (the next tile's scores issued before this tile's dQ or dK MMA) and TMA (dQ streams K/V, dK/dV
 # streams q/dO) where they compile without spills at D = 64/80/76: dK/dV with both spills at 5b (76), and its
 # 64 x 128 overlapped tile spills everywhere, so dK/dV has them apart; 32-row dK/dV tiles with OVERLAP (201-206
 # registers), dQ 128 x 64 with OVERLAP (237 registers) and with TMA (209-226).
 
 
-def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False):
-    return _configs(shapes, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2)
+def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False, maxnreg=None):
+    return _configs(shapes, maxnreg, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2)
 
 
 _FWD_CONFIGS = (
     _fwd_configs([(128, 64, 8, 3), (64, 64, 4, 4)], overlap=True)
     + _fwd_configs([(128, 64, 8, 3), (128, 128, 8, 3)])
+    + _fwd_configs([(128, 64, 8, 3)], maxnreg=128)
     + _fwd_configs([(128, 64, 8, 3)], pack=True, overlap=True)
     + _fwd_configs([(256, 64, 8, 2)], pack=True)
     + _fwd_configs([(128, 64, 8, 3), (128, 128, 8, 2)], tma=True, overlap=True)
@@ -762,21 +767,24 @@ _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
     ("dq", True): _autotuned(_attn_bwd_dq_kernel, "dq", _DQ_CONFIGS_FP32),
 }
 
-def config_label(constexprs: dict, num_warps: int, num_stages: int) -> str:
+def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
     """A configuration's name in benchmarks and inspection tables: BLOCK_M x BLOCK_N, warps, stages, then the
-    forward's flags: p GQA-packed tile, t K/V through TMA descriptors, o softmax overlapped with P V (OVERLAP),
-    x half of the exp2s on the FMA units (POLY_EXP2). e.g. 128x64w8s3o."""
+    flags: p GQA-packed tile, t TMA descriptors, o MMA overlapped with the exp2s (OVERLAP), x half of the exp2s on
+    the FMA units (POLY_EXP2), rN registers capped at N per thread. e.g. 128x64w8s3o, 128x64w8s3r128."""
     c = constexprs
     flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"))
                     if c.get(key))
-    return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}"
+    cap = f"r{maxnreg}" if maxnreg else ""
+    return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}{cap}"
 
 
 def tuned_config(name: str, dtype: torch.dtype) -> str | None:
     """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype; None before any
     autotuned launch."""
     config = getattr(_TUNED[name, dtype == torch.float32], "best_config", None)
-    return None if config is None else config_label(config.kwargs, config.num_warps, config.num_stages)
+    if config is None:
+        return None
+    return config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
 
 
 # Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
@@ -823,8 +831,10 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
     if tiles.get("TMA") and not tma:
         raise ValueError(f"blocks['TMA'] is set but {' and '.join(_TMA_OPERANDS[name])} cannot be read through TMA "
                          "descriptors here (needs triton >= 3.4, a compute capability 9+ GPU, 16-byte-aligned heads)")
-    kernel[grid(tiles)](*args, **consts, **tiles, num_warps=blocks.get("num_warps", 4),
-                        num_stages=blocks.get("num_stages", 2))
+    options = {"num_warps": blocks.get("num_warps", 4), "num_stages": blocks.get("num_stages", 2)}
+    if blocks.get("maxnreg"):
+        options["maxnreg"] = blocks["maxnreg"]
+    kernel[grid(tiles)](*args, **consts, **tiles, **options)
 
 
 # ----------------------------------------------------------------------------------------------------

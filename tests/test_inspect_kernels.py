@@ -111,6 +111,24 @@ def test_tma_and_overlapped_softmax_on_hopper(cuobjdump, tmp_path):
     assert tma["utmaldg"] > 0 and tma["ldgsts"] == 0 and overlapped["utmaldg"] == 0 and overlapped["ldgsts"] > 0
 
 
+def test_two_programs_per_sm_with_128_registers(cuobjdump, tmp_path):
+    """The r128 forward (plain order, registers capped at 128): at 0.8b (D = 80) and 5b (D = 76) two 8-warp programs
+    fit an SM, with no spills and no local memory inside the loop (at D = 80 a few values wait in local memory
+    across the loop: stored before it, loaded after)."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
+                          "--presets", "0.8b,5b", "--blocks", "mha", "--only", "attn_fwd", "--cfg", "r128$",
+                          "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["preset"] for r in rows] == ["0.8b", "5b"]
+    for r in rows:
+        assert r["maxnreg"] == 128 and r["registers"] <= 128 and r["ctas_per_sm"] == 2, r
+        assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["loop_local_memory"] == 0, r
+        assert r["hgmma"] > 0 and r["loop_ex2_under_wgmma"] == 0  # the plain order
+
+
 def test_backward_variants_on_hopper(cuobjdump, tmp_path):
     """The 5b backward (D = 76) variants, compiled for sm_90a without spills: dQ with OVERLAP keeps its dQ MMA in
     flight under the next tile's exp2s (at most 2 of 32 outside), dK/dV with OVERLAP overlaps every exp2, and
@@ -152,9 +170,11 @@ def test_softmax_overlap_reading():
         /*0170*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R4 ;
         /*0180*/               @!P0 BRA 0x100 ;
     """
-    assert softmax_overlap(overlapped) == {"loop_ex2": 2, "loop_ex2_under_wgmma": 2}
+    assert softmax_overlap(overlapped) == {"loop_ex2": 2, "loop_ex2_under_wgmma": 2, "loop_local_memory": 0}
     alternating = overlapped.replace("R56, gsb0 ;", "R56, gsb0 ;\n        /*0148*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;")
-    assert softmax_overlap(alternating) == {"loop_ex2": 2, "loop_ex2_under_wgmma": 0}
+    assert softmax_overlap(alternating) == {"loop_ex2": 2, "loop_ex2_under_wgmma": 0, "loop_local_memory": 0}
+    spilling = overlapped.replace("/*0110*/                   MUFU.EX2 R2, R2 ;", "/*0110*/ STL [R1], R2 ;")
+    assert softmax_overlap(spilling) == {"loop_ex2": 1, "loop_ex2_under_wgmma": 1, "loop_local_memory": 1}
 
 
 def test_sass_counting():

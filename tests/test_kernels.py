@@ -335,6 +335,7 @@ FORWARD_VARIANTS = {  # the forward's loop and load variants, beside the default
     "tma": dict(TMA=True),
     "tma-packed": dict(TMA=True, PACK=True),
     "plain-order": dict(OVERLAP=False),
+    "plain-order-r128": dict(OVERLAP=False, maxnreg=128),  # a register cap: no effect in the interpreter
     "plain-order-tma-packed": dict(OVERLAP=False, TMA=True, PACK=True),
     "poly-exp2": dict(POLY_EXP2=True),  # half of the exp2s on the FMA units: bf16/fp16 only, not bit-identical
     "poly-exp2-tma-packed": dict(POLY_EXP2=True, TMA=True, PACK=True),
