@@ -227,8 +227,8 @@ def row(op, pas, impl, model, B, N, HQ, HKV, D, dtype, ms, err, tflops=None, pea
 # Main
 # ----------------------------------------------------------------------------------------------------
 
-COLUMNS = ["op", "pass", "model", "B", "Hq", "Hkv", "D", "dtype", "rope_dtype", "impl", "config", "ms_median", "TFLOP/s",
-           "GB/s", "frac_peak", "frac_copy_bw"]
+COLUMNS = ["op", "pass", "model", "B", "Hq", "Hkv", "D", "dtype", "rope_dtype", "impl", "config", "ms_median",
+           "TFLOP/s", "GB/s", "frac_peak", "frac_copy_bw"]
 
 
 def fmt(v):
