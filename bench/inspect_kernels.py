@@ -94,15 +94,17 @@ def intercepted(launches: list):
         config = ({}, kwargs.pop("num_warps", 4), kwargs.pop("num_stages", 3), kwargs.pop("maxnreg", None))
         launches.append((self, args, kwargs, [config]))
 
-    saved = Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, attention_triton._has_tma_engine
+    saved = (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, attention_triton._has_tma_engine,
+             attention_triton.num_sms)
     Autotuner.run, JITFunction.run = autotuned_run, jit_run
     attention_triton.compiled_for_gpu = lambda t: True
     attention_triton._has_tma_engine = lambda t: True  # sm_90a
+    attention_triton.num_sms = lambda t: 132  # H100 / H200
     try:
         yield launches
     finally:
-        (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu,
-         attention_triton._has_tma_engine) = saved
+        (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, attention_triton._has_tma_engine,
+         attention_triton.num_sms) = saved
 
 
 def capture_launches(B, HQ, HKV, N, D, ops=("attention", "qk_norm_rope")):
@@ -333,17 +335,19 @@ def constexprs_by_name(fn, constexprs):
     return {fn.arg_names[i]: value for (i,), value in constexprs.items()}
 
 
-def kv_traffic(name, consts, grid, N, D) -> dict:
-    """Attention forward: query rows and heads per program, and the K/V bytes each program loads (every
-    program streams all N keys and values of its K/V head, D columns of bf16 each) and all programs together,
-    computed from the launch. This is what GQA packing (PACK) changes: a packed tile holds the GROUP heads of
-    one K/V head, so a K/V tile serves GROUP heads per load."""
+def kv_traffic(name, consts, B, HQ, N, D) -> dict:
+    """Attention forward: query rows and heads per tile, and the K/V bytes each tile loads (every tile streams
+    all N keys and values of its K/V head, D columns of bf16 each) and all tiles together (a persistent program
+    walks several tiles: the total is the same). This is what GQA packing (PACK) changes: a packed tile holds the
+    GROUP heads of one K/V head, so a K/V tile serves GROUP heads per load."""
     if name != "_attn_fwd_kernel":
         return {}
     heads = consts["GROUP"] if consts.get("PACK") else 1
-    per_program = 2 * N * D * DTYPE.itemsize
-    return {"query_heads_per_program": heads, "tokens_per_program": consts["BLOCK_M"] // heads,
-            "kv_bytes_per_program": per_program, "kv_bytes_total": per_program * grid[0]}
+    tokens = consts["BLOCK_M"] // heads
+    per_tile = 2 * N * D * DTYPE.itemsize
+    tiles = -(-N // tokens) * B * HQ // heads
+    return {"query_heads_per_program": heads, "tokens_per_program": tokens,
+            "kv_bytes_per_program": per_tile, "kv_bytes_total": per_tile * tiles}
 
 
 def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_norm_rope"), blocks=None, log=print,
@@ -386,7 +390,7 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
                            "constexprs": constexpr_summary(fn, constexprs), "num_warps": num_warps,
                            "num_stages": num_stages, "maxnreg": maxnreg, "grid": list(grid),
                            "divisible_by_16": [fn.arg_names[i] for (i,) in attrs],
-                           **kv_traffic(name, constexprs_by_name(fn, constexprs), grid, N, D),
+                           **kv_traffic(name, constexprs_by_name(fn, constexprs), B, HQ, N, D),
                            **compiled[key]}
                     rows.append(row)
                     log(format_row(row))

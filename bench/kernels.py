@@ -136,14 +136,15 @@ def attention_impls(device: str, with_backends: bool, batch: int, with_compile: 
 
 # CUDA: forward rows with the Triton tiles forced, beside the autotuned "triton" row, so that one run says what
 # each loop variant is worth: the plain order (softmax, then P V), the same capped at 128 registers (r128: two
-# programs per SM), the overlapped order (o: the next Q K^T issued before P V, the softmax under the MMA), and K/V
-# through TMA descriptors (t). Labels as bench/inspect_kernels.py.
+# programs per SM), the overlapped order (o: the next Q K^T issued before P V, the softmax under the MMA), K/V
+# through TMA descriptors (t), and a persistent grid (g). Labels as bench/inspect_kernels.py.
 FORCED_FORWARD = {
     "128x64w8s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=False),
     "128x64w8s3r128": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=False, maxnreg=128),
     "128x64w8s3o": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=True),
     "128x64w8s3to": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=True, TMA=True),
     "128x128w8s2to": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, OVERLAP=True, TMA=True),
+    "128x64w8s3tog": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=True, TMA=True, PERSISTENT=True),
 }
 
 

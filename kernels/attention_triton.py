@@ -18,11 +18,13 @@ accumulator; it writes o = acc / l and the log-sum-exp lse = m + log2(l) (base 2
       software pipeline in the loop; Triton keeps the P V wgmma in flight across the iteration). It holds two
       score tiles, so the largest tiles keep the plain order (softmax, then P V), which alternates MMA and
       softmax. bench/inspect_kernels.py reads which one a compiled kernel does (column ex2@mma).
-    * K/V loads (TMA, autotuned, Hopper and later): tensor descriptors made in the kernel, one per head and
+    * K/V loads (TMA, autotuned, Hopper and later): tensor descriptors made in the kernel, one per tensor and
       column chunk, so the copy engine (UTMALDG) streams the tiles into shared memory and zero-fills the rows
       past N and the columns past D; else pointer loads that Triton pipelines with cp.async. TMA needs heads
       on 16-byte boundaries (tma_usable; the aligned layout gives that at 5b too) and an allocator for the
       descriptors (installed on first use unless the user set one).
+    * Persistent grid (PERSISTENT, autotuned): one program per SM walks the tiles with a grid-stride loop; the
+      K/V descriptors ((B, N, Hkv, D), one per column chunk) are made once per program either way.
     * exp2 on the FMA units (POLY_EXP2, autotuned, bf16/fp16): half of the full tiles' exp2s (the odd columns)
       from a degree-3 polynomial instead of MUFU, which at D = 64 is as slow as the tensor cores (_exp2_split).
     * Head dims that are not a power of two (80 in 0.8b, 76 in 5b) are NOT padded to 128: D is split into
@@ -47,8 +49,8 @@ Block sizes: autotuned on CUDA (key: N, B * Hq, D, dtype) over configurations ch
 SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTERPRET=1).
 Not done here (unmeasured without a GPU; see kernels/README.md): Triton's automatic warp specialization
 (tl.range(warp_specialize=True)) does not apply on sm_90 in triton 3.9 (with 8 warps the SASS is unchanged; with
-4 warps the pass fails to compile), so there is no producer warpgroup or ping-pong of two consumer warpgroups;
-no persistent grid. The backward has OVERLAP and TMA variants too (autotuned, see the configurations), no
+4 warps the pass fails to compile), so there is no producer warpgroup or ping-pong of two consumer warpgroups
+(r128, two programs per SM, is the nearest thing). The backward has OVERLAP and TMA variants too (autotuned, see the configurations), no
 POLY_EXP2 (its exp2s are a smaller share of its work: 3 or 4 MMAs per tile of exp2s instead of 2).
 """
 
@@ -58,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .grid_triton import aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords
+from .grid_triton import (aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords,
+                          tile_coords)
 
 LOG2E = 1.4426950408889634
 
@@ -81,13 +84,14 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(desc, base, start_n, N, stride_n, stride_d, col0, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
+def _key_rows(desc, base, b, g, start_n, N, stride_n, stride_d, col0, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
               BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, TMA: tl.constexpr):
-    """Rows start_n .. start_n + BLOCK_N, columns col0 .. col0 + COLS of one K or V head: (BLOCK_N, COLS), zero
-    where row >= N or column >= HEAD_DIM. TMA: one tensor-descriptor load (the copy engine fills the out-of-bounds
-    rows and columns with zeros); else pointer loads (cp.async when pipelined), masked only where needed."""
+    """Rows start_n .. start_n + BLOCK_N, columns col0 .. col0 + COLS of K or V head g of image b: (BLOCK_N, COLS),
+    zero where row >= N or column >= HEAD_DIM. TMA: one load through the (B, N, Hkv, HEAD_DIM) descriptor `desc`
+    (the copy engine fills the out-of-bounds rows and columns with zeros); else pointer loads from `base` (head g
+    of image b; cp.async when pipelined), masked only where needed."""
     if TMA:
-        return desc.load([start_n, col0])
+        return tl.reshape(desc.load([b.to(tl.int32), start_n, g.to(tl.int32), col0]), [BLOCK_N, COLS])
     else:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = col0 + tl.arange(0, COLS)
@@ -101,33 +105,34 @@ def _key_rows(desc, base, start_n, N, stride_n, stride_d, col0, HEAD_DIM: tl.con
 
 
 @triton.jit
-def _kv_descriptors(k_base, v_base, N, skn, svn, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """TMA: descriptors of one K and one V head for each column chunk, shape (N, HEAD_DIM), so that the copy
-    engine zero-fills the rows past N and the columns past HEAD_DIM (76 -> 80 at 5b). Else the base pointers
-    (unused: _key_rows reads through pointers)."""
+def _kv_descriptors(k_ptr, v_ptr, B, N, HKV, skb, skh, skn, svb, svh, svn, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
+                    D1: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """TMA: descriptors of the whole K and V, (B, N, Hkv, HEAD_DIM), one per column chunk (made once per program,
+    whatever heads it visits), so that the copy engine zero-fills the rows past N and the columns past HEAD_DIM
+    (76 -> 80 at 5b). Else the base pointers (unused: _key_rows reads through pointers)."""
     if TMA:
-        k0 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1], block_shape=[BLOCK_N, D0])
-        v0 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1], block_shape=[BLOCK_N, D0])
+        shape = [B, N, HKV, HEAD_DIM]
+        k0 = tl.make_tensor_descriptor(k_ptr, shape, [skb, skn, skh, 1], [1, BLOCK_N, 1, D0])
+        v0 = tl.make_tensor_descriptor(v_ptr, shape, [svb, svn, svh, 1], [1, BLOCK_N, 1, D0])
         if D1 > 0:
-            k1 = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1], block_shape=[BLOCK_N, D1])
-            v1 = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1], block_shape=[BLOCK_N, D1])
+            k1 = tl.make_tensor_descriptor(k_ptr, shape, [skb, skn, skh, 1], [1, BLOCK_N, 1, D1])
+            v1 = tl.make_tensor_descriptor(v_ptr, shape, [svb, svn, svh, 1], [1, BLOCK_N, 1, D1])
         else:
             k1, v1 = k0, v0  # unused
         return k0, k1, v0, v1
     else:
-        return k_base, k_base, v_base, v_base
+        return k_ptr, k_ptr, v_ptr, v_ptr
 
 
 @triton.jit
-def _scores(q0, q1, k_desc0, k_desc1, k_base, start_n, N, skn, skd,
+def _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd,
             HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
             TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """S = Q K^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32, unscaled; with MASK_N, keys >= N are -inf."""
-    k0 = _key_rows(k_desc0, k_base, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        k1 = _key_rows(k_desc1, k_base, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
+        k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
     if MASK_N:
         s = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], s, float("-inf"))
@@ -182,15 +187,15 @@ def _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
+def _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
                 HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """acc * alpha + P V for one tile of values (P rounded to the input dtype for the MMA, as in FlashAttention)."""
-    v0 = _key_rows(v_desc0, v_base, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    v0 = _key_rows(v_desc0, v_base, b, g, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     p = p.to(v0.dtype)
     acc0 = _dot(p, v0, acc0 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        v1 = _key_rows(v_desc1, v_base, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
+        v1 = _key_rows(v_desc1, v_base, b, g, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         acc1 = _dot(p, v1, acc1 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
     return acc0, acc1
 
@@ -202,7 +207,7 @@ def _attn_fwd_kernel(
     lse_ptr,  # (B * Hq, N) fp32: base-2 log-sum-exp of the scaled scores, for the backward
     N, HQ, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    BH,  # B * Hq; only an autotuning key
+    BH,  # B * Hq
     GROUP: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -210,24 +215,52 @@ def _attn_fwd_kernel(
     TMA: tl.constexpr,  # load K/V tiles through tensor descriptors (Hopper's TMA copy engine)
     OVERLAP: tl.constexpr,  # issue the next tile's Q K^T before this tile's P V (softmax under the MMA; more registers)
     POLY_EXP2: tl.constexpr,  # half of the full tiles' exp2 on the FMA units (bf16/fp16 only: 7.5e-5 relative error)
+    PERSISTENT: tl.constexpr,  # one program per SM walks the tiles (grid-stride loop) instead of one per tile
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Flat grid, tiles fastest (grid_triton.py). Each program owns BLOCK_M rows of queries:
-    PACK False: BLOCK_M tokens of one query head h (cdiv(N, BLOCK_M) * B * Hq programs);
+    """Flat grid, tiles fastest (grid_triton.py): one tile of BLOCK_M query rows per program, or with PERSISTENT
+    one program per SM that takes tiles program_id, program_id + programs, ... (no tail wave of short-lived
+    programs, and the TMA descriptors are made once per program rather than once per tile)."""
+    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_ptr, v_ptr, BH // HQ, N, HQ // GROUP, skb, skh, skn,
+                                                         svb, svh, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
+    if PERSISTENT:
+        tiles = tl.cdiv(N, BLOCK_M // GROUP if PACK else BLOCK_M) * (BH // GROUP if PACK else BH)
+        for index in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _attn_fwd_tile(index, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1, N, HQ,
+                           qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+                           GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, DOT_PRECISION,
+                           UPCAST_DOT)
+    else:
+        _attn_fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1,
+                       N, HQ, qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+                       GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, DOT_PRECISION,
+                       UPCAST_DOT)
+
+
+@triton.jit
+def _attn_fwd_tile(
+    index, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1, N, HQ, qk_scale,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, TMA: tl.constexpr, OVERLAP: tl.constexpr,
+    POLY_EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Tile `index` (tiles fastest) of BLOCK_M query rows:
+    PACK False: BLOCK_M tokens of one query head h (cdiv(N, BLOCK_M) * B * Hq tiles);
     PACK True:  BLOCK_M // GROUP tokens of each of the GROUP query heads that share K/V head g, stacked
-                head-major in the rows (cdiv(N, BLOCK_M // GROUP) * B * Hkv programs). Every K/V tile the
+                head-major in the rows (cdiv(N, BLOCK_M // GROUP) * B * Hkv tiles). Every K/V tile the
                 program loads then serves all the heads of its group through one dot, instead of being loaded
                 by GROUP programs. The launcher sets PACK only when GROUP > 1 divides BLOCK_M."""
     rows = tl.arange(0, BLOCK_M)
     if PACK:
         tl.static_assert(GROUP > 1 and BLOCK_M % GROUP == 0)
         TOKENS: tl.constexpr = BLOCK_M // GROUP
-        tile, b, g = program_coords(tl.cdiv(N, TOKENS), HQ // GROUP)
+        tile, b, g = tile_coords(index, tl.cdiv(N, TOKENS), HQ // GROUP)
         h0 = g * GROUP  # first query head of the tile (int64)
         offs_m = tile * TOKENS + rows % TOKENS  # token of each row
         row_head = rows // TOKENS  # query head of each row, relative to h0
     else:
-        tile, b, h0 = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+        tile, b, h0 = tile_coords(index, tl.cdiv(N, BLOCK_M), HQ)
         g = h0 // GROUP
         offs_m = tile * BLOCK_M + rows
         row_head = 0
@@ -236,7 +269,7 @@ def _attn_fwd_kernel(
     mask_m = offs_m < N
     mask_d1 = offs_d1 < HEAD_DIM
 
-    # Q is loaded once per program and O stored once: plain pointer accesses (int64 base of head h0 of image b,
+    # Q is loaded once per tile and O stored once: plain pointer accesses (int64 base of head h0 of image b,
     # int32 offsets within the image). K and V are streamed: through TMA descriptors when asked for.
     q_rows = q_ptr + b * sqb + h0 * sqh + (row_head * sqh + offs_m * sqn)[:, None]
     q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)
@@ -252,7 +285,6 @@ def _attn_fwd_kernel(
 
     k_base = k_ptr + b * skb + g * skh
     v_base = v_ptr + b * svb + g * svh
-    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_base, v_base, N, skn, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
 
     # The full key tiles, then one masked tail tile. With OVERLAP the full tiles are software-pipelined by hand:
     # the scores of tile j + 1 are computed before the P V product of tile j, so that on Hopper the P V wgmma is
@@ -263,28 +295,28 @@ def _attn_fwd_kernel(
     n_full = (N // BLOCK_N) * BLOCK_N
     if not OVERLAP:
         for start_n in range(0, n_full, BLOCK_N):
-            s = _scores(q0, q1, k_desc0, k_desc1, k_base, start_n, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False,
+            s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False,
                         TMA, DOT_PRECISION, UPCAST_DOT)
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
-            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
+            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
                                      HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     elif n_full > 0:
-        s = _scores(q0, q1, k_desc0, k_desc1, k_base, 0, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
+        s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, 0, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
                     DOT_PRECISION, UPCAST_DOT)
         for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
-            s = _scores(q0, q1, k_desc0, k_desc1, k_base, start_n + BLOCK_N, N, skn, skd, HEAD_DIM, D0, D1,
+            s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n + BLOCK_N, N, skn, skd, HEAD_DIM, D0, D1,
                         BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, start_n, N, svn, svd,
+            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
                                      HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
         p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
-        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, n_full - BLOCK_N, N, svn, svd,
+        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, n_full - BLOCK_N, N, svn, svd,
                                  HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     if n_full < N:
-        s = _scores(q0, q1, k_desc0, k_desc1, k_base, n_full, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA,
+        s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, n_full, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA,
                     DOT_PRECISION, UPCAST_DOT)
         p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, False)
-        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, n_full, N, svn, svd,
+        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, n_full, N, svn, svd,
                                  HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
 
     inv_l = 1.0 / l_i
@@ -506,17 +538,18 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, start_n, N, skn, skd, svn, svd,
+def _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, start_n, N,
+               skn, skd, svn, svd,
                HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """S = Q K^T and dP = dO V^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32 each."""
-    k0 = _key_rows(k_desc0, k_base, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
-    v0 = _key_rows(v_desc0, v_base, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    v0 = _key_rows(v_desc0, v_base, b, g, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
     dp = _dot(do0, tl.trans(v0), None, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        k1 = _key_rows(k_desc1, k_base, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        v1 = _key_rows(v_desc1, v_base, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
+        k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
+        v1 = _key_rows(v_desc1, v_base, b, g, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
         dp = _dot(do1, tl.trans(v1), dp, DOT_PRECISION, UPCAST_DOT)
     return s, dp
@@ -533,15 +566,15 @@ def _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, start_n, N, skn, skd,
+def _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd,
                    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """dQ += dS K for one tile of keys (dS rounded to the input dtype for the MMA)."""
-    k0 = _key_rows(k_desc0, k_base, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     ds = ds.to(k0.dtype)
     dq0 = _dot(ds, k0, dq0, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        k1 = _key_rows(k_desc1, k_base, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
+        k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         dq1 = _dot(ds, k1, dq1, DOT_PRECISION, UPCAST_DOT)
     return dq0, dq1
 
@@ -593,33 +626,34 @@ def _attn_bwd_dq_kernel(
 
     k_base = k_ptr + b * skb + g * skh
     v_base = v_ptr + b * svb + g * svh
-    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_base, v_base, N, skn, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
+    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_ptr, v_ptr, BH // HQ, N, HQ // GROUP, skb, skh, skn,
+                                                         svb, svh, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
     n_full = (N // BLOCK_N) * BLOCK_N
     if not OVERLAP:
         for start_n in range(0, n_full, BLOCK_N):
-            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, start_n, N,
+            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, start_n, N,
                                skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
             ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
-            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, start_n, N, skn, skd, HEAD_DIM, D0,
+            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0,
                                       D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     elif n_full > 0:
-        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, 0, N,
+        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, 0, N,
                            skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
         for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
             ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
-            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base,
+            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g,
                                start_n + BLOCK_N, N, skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
                                DOT_PRECISION, UPCAST_DOT)
-            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, start_n, N, skn, skd, HEAD_DIM, D0,
+            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0,
                                       D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
         ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full - BLOCK_N, N, BLOCK_N, False)
-        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, n_full - BLOCK_N, N, skn, skd, HEAD_DIM,
+        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, n_full - BLOCK_N, N, skn, skd, HEAD_DIM,
                                   D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
     if n_full < N:
-        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, n_full, N,
+        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, n_full, N,
                            skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
         ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full, N, BLOCK_N, True)
-        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, n_full, N, skn, skd, HEAD_DIM, D0, D1,
+        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, n_full, N, skn, skd, HEAD_DIM, D0, D1,
                                   BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
 
     dq_rows = dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqn
@@ -718,8 +752,8 @@ def _torch_scratch(size: int, alignment: int, stream):
 # registers), dQ 128 x 64 with OVERLAP (237 registers) and with TMA (209-226).
 
 
-def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False, maxnreg=None):
-    return _configs(shapes, maxnreg, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2)
+def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False, persistent=False, maxnreg=None):
+    return _configs(shapes, maxnreg, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2, PERSISTENT=persistent)
 
 
 _FWD_CONFIGS = (
@@ -729,6 +763,7 @@ _FWD_CONFIGS = (
     + _fwd_configs([(128, 64, 8, 3)], pack=True, overlap=True)
     + _fwd_configs([(256, 64, 8, 2)], pack=True)
     + _fwd_configs([(128, 64, 8, 3), (128, 128, 8, 2)], tma=True, overlap=True)
+    + _fwd_configs([(128, 64, 8, 3)], tma=True, overlap=True, persistent=True)
     + _fwd_configs([(256, 64, 8, 2)], pack=True, tma=True)
     + _fwd_configs([(128, 64, 8, 3)], overlap=True, poly_exp2=True)
     + _fwd_configs([(128, 64, 8, 3)], tma=True, overlap=True, poly_exp2=True))
@@ -770,10 +805,11 @@ _TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
 def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
     """A configuration's name in benchmarks and inspection tables: BLOCK_M x BLOCK_N, warps, stages, then the
     flags: p GQA-packed tile, t TMA descriptors, o MMA overlapped with the exp2s (OVERLAP), x half of the exp2s on
-    the FMA units (POLY_EXP2), rN registers capped at N per thread. e.g. 128x64w8s3o, 128x64w8s3r128."""
+    the FMA units (POLY_EXP2), g persistent grid (grid-stride loop), rN registers capped at N per thread.
+    e.g. 128x64w8s3o, 128x64w8s3r128."""
     c = constexprs
-    flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"))
-                    if c.get(key))
+    flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"),
+                                           ("g", "PERSISTENT")) if c.get(key))
     cap = f"r{maxnreg}" if maxnreg else ""
     return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}{cap}"
 
@@ -803,7 +839,7 @@ def compiled_for_gpu(t: torch.Tensor) -> bool:
 
 # The variant flags a kernel may take (the constexprs it declares), and their values when the tiles are fixed and
 # the flag is not given.
-_FLAG_DEFAULTS = {"PACK": False, "TMA": False, "OVERLAP": True, "POLY_EXP2": False}
+_FLAG_DEFAULTS = {"PACK": False, "TMA": False, "OVERLAP": True, "POLY_EXP2": False, "PERSISTENT": False}
 
 
 def _launch(kernel, name, grid, args, consts, blocks, group=None):
@@ -892,10 +928,18 @@ def _check_out(out, *likes):
     return out
 
 
-def _fwd_grid(meta, N, B, HQ, group):
-    """cdiv(N, tokens per tile) * B * (Hq / heads per tile) programs (a packed tile holds `group` heads)."""
+def _fwd_grid(meta, N, B, HQ, group, num_sms):
+    """cdiv(N, tokens per tile) * B * (Hq / heads per tile) programs (a packed tile holds `group` heads); with
+    PERSISTENT at most one per SM, each walking the tiles."""
     heads = group if meta.get("PACK") else 1
-    return flat_grid(triton.cdiv(N, meta["BLOCK_M"] // heads), B * HQ // heads)
+    grid = flat_grid(triton.cdiv(N, meta["BLOCK_M"] // heads), B * HQ // heads)
+    return (min(grid[0], num_sms),) if meta.get("PERSISTENT") else grid
+
+
+def num_sms(t: torch.Tensor) -> int:
+    """The persistent grid's size: the GPU's SM count; 3 in the interpreter, so that the tests' programs each walk
+    several tiles (bench/inspect_kernels.py sets 132, an H100/H200)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if compiled_for_gpu(t) else 3
 
 
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
@@ -914,7 +958,8 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q),
                   UPCAST_DOT=not compiled_for_gpu(q))
     check_image_elements(q, k, v, o)
-    _launch(_attn_fwd_kernel, "fwd", lambda meta: _fwd_grid(meta, N, B, HQ, group), args, consts, blocks, group)
+    sms = num_sms(q)
+    _launch(_attn_fwd_kernel, "fwd", lambda meta: _fwd_grid(meta, N, B, HQ, group, sms), args, consts, blocks, group)
     return o, lse
 
 

@@ -22,9 +22,15 @@ MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0
 @triton.jit
 def program_coords(num_tiles, HEADS):
     """(tile, b, h) of this program in a flat grid of num_tiles * B * HEADS programs; b and h are int64."""
-    pid = tl.program_id(0)
-    tile = pid % num_tiles
-    bh = (pid // num_tiles).to(tl.int64)
+    return tile_coords(tl.program_id(0), num_tiles, HEADS)
+
+
+@triton.jit
+def tile_coords(index, num_tiles, HEADS):
+    """(tile, b, h) of work item `index` of num_tiles * B * HEADS, tiles fastest; b and h are int64. A persistent
+    program walks several indices; a plain one has index = its program id."""
+    tile = index % num_tiles
+    bh = (index // num_tiles).to(tl.int64)
     return tile, bh // HEADS, bh % HEADS
 
 

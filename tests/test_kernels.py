@@ -336,6 +336,8 @@ FORWARD_VARIANTS = {  # the forward's loop and load variants, beside the default
     "tma-packed": dict(TMA=True, PACK=True),
     "plain-order": dict(OVERLAP=False),
     "plain-order-r128": dict(OVERLAP=False, maxnreg=128),  # a register cap: no effect in the interpreter
+    "tma-persistent": dict(TMA=True, PERSISTENT=True),  # 3 programs in the interpreter, each walking several tiles
+    "persistent-packed-plain-order": dict(PERSISTENT=True, PACK=True, OVERLAP=False),
     "plain-order-tma-packed": dict(OVERLAP=False, TMA=True, PACK=True),
     "poly-exp2": dict(POLY_EXP2=True),  # half of the exp2s on the FMA units: bf16/fp16 only, not bit-identical
     "poly-exp2-tma-packed": dict(POLY_EXP2=True, TMA=True, PACK=True),
@@ -430,6 +432,27 @@ def test_exp2_on_fma_units():
     assert err <= 7.6e-5, err
     low = y[x.numel():].cpu()
     assert (low >= 0).all() and (low <= 2.0 ** -124).all(), low
+
+
+def test_persistent_grid_walks_every_tile(monkeypatch):
+    """PERSISTENT launches min(tiles, SMs) programs (3 in the interpreter) that take tiles program_id,
+    program_id + 3, ...: 2 x 4 heads x 3 token tiles = 24 tiles, every one written (the output starts as NaN)."""
+    import kernels.attention_triton as at
+
+    q, kv = bnhd(2, 4, 44, 64, torch.float32, 60), bnhd(2, 2, 44, 64, torch.float32, 61)
+    grids = []
+    launch = at._launch
+    monkeypatch.setattr(at, "_launch", lambda kernel, name, grid, *a: launch(
+        kernel, name, lambda meta: grids.append(grid(meta)) or grid(meta), *a))
+    o, lse = attention_fwd(q, kv, kv, blocks=dict(BLOCKS, PERSISTENT=True), out=poisoned(q, "bhnd"))
+    assert grids == [(min(at.num_sms(q), 2 * 4 * triton.cdiv(44, BLOCKS["BLOCK_M"])),)]
+    assert DEVICE != "cpu" or grids == [(3,)]
+    o_default, lse_default = attention_fwd(q, kv, kv, blocks=BLOCKS)
+    assert not o.isnan().any()
+    if DEVICE == "cpu":
+        assert torch.equal(o, o_default) and torch.equal(lse, lse_default)
+    else:
+        assert rel_err(o, o_default) < ATTN_TOL[torch.float32][0]
 
 
 def test_tma_needs_aligned_heads():
