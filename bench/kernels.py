@@ -156,34 +156,61 @@ def forced_forward_impls():
     return {f"triton[{label}]": forced(blocks) for label, blocks in FORCED_FORWARD.items()}
 
 
+def max_rel_err(got, want) -> float | None:
+    """max |got - want| / max |want| over the tensors of a result, or None when there is none."""
+    if got is None:
+        return None
+    pairs = zip(got, want) if isinstance(got, (tuple, list)) else [(got, want)]
+    return max(((g.float() - w).abs().max() / w.abs().max()).item() for g, w in pairs)
+
+
+def run_or_none(fn):
+    try:
+        return fn()
+    except Exception:  # a backend that does not support the shape: its timing row says why
+        return None
+
+
 def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward, with_backends, with_compile):
+    """Every row also carries max_rel_err against the fp32 reference on the same inputs (the output for fwd, the
+    worst of dq/dk/dv for fwd+bwd), so that a fast row that computes something else is seen at once."""
     for model, B, HQ, HKV, N, D in shapes:
         fwd_flops = 4 * B * HQ * N * N * D
-        for impl, fn in attention_impls(device, with_backends, B, with_compile).items():
-            q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device)
+        q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device)
+        want = attention_reference(q.float(), k.float(), v.float())
+        impls = attention_impls(device, with_backends, B, with_compile)
+        if "triton" in impls:  # the forced variants right after the autotuned row
+            at = list(impls).index("triton") + 1
+            items = list(impls.items())
+            impls = dict(items[:at] + list(forced_forward_impls().items()) + items[at:])
+        for impl, fn in impls.items():
             ms, err = try_time(lambda: fn(q, k, v), device, reps)
             r = row("attention", "fwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
                     tflops=fwd_flops, peak_tflops=peak_tflops)
+            if ms is not None:
+                r["max_rel_err"] = max_rel_err(run_or_none(lambda: fn(q, k, v)), want)
             if impl == "triton" and ms is not None:
                 from kernels.attention_triton import tuned_config
 
                 r["config"] = tuned_config("fwd", q.dtype)
             rec.add(r)
-            if impl == "triton":  # the forced variants right after the autotuned row
-                for name, forced in forced_forward_impls().items():
-                    ms, err = try_time(lambda: forced(q, k, v), device, reps)
-                    rec.add(row("attention", "fwd", name, model, B, N, HQ, HKV, D, dtype, ms, err,
-                                tflops=fwd_flops, peak_tflops=peak_tflops))
-            if with_backward:
-                q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device, grad=True)
-                do = torch.randn_like(q)
-
+        del want
+        if with_backward:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            do = torch.randn_like(q)
+            ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+            want_grads = torch.autograd.grad(attention_reference(*ref_leaves), ref_leaves, do.float())
+            for impl, fn in attention_impls(device, with_backends, B, with_compile).items():
                 def fwd_bwd():
-                    torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+                    return torch.autograd.grad(fn(*leaves), leaves, do)
                 ms, err = try_time(fwd_bwd, device, reps)
-                rec.add(row("attention", "fwd+bwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
-                            tflops=3.5 * fwd_flops, peak_tflops=peak_tflops))
-            del q, k, v
+                r = row("attention", "fwd+bwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
+                        tflops=3.5 * fwd_flops, peak_tflops=peak_tflops)
+                if ms is not None:
+                    r["max_rel_err"] = max_rel_err(run_or_none(fwd_bwd), want_grads)
+                rec.add(r)
+            del leaves, do, ref_leaves, want_grads
+        del q, k, v
 
 
 def bench_qk_norm_rope(rec, device, shapes, dtypes, reps, copy_gbs, with_compile):
@@ -229,7 +256,7 @@ def row(op, pas, impl, model, B, N, HQ, HKV, D, dtype, ms, err, tflops=None, pea
 # ----------------------------------------------------------------------------------------------------
 
 COLUMNS = ["op", "pass", "model", "B", "Hq", "Hkv", "D", "dtype", "rope_dtype", "impl", "config", "ms_median",
-           "TFLOP/s", "GB/s", "frac_peak", "frac_copy_bw"]
+           "TFLOP/s", "GB/s", "frac_peak", "frac_copy_bw", "max_rel_err"]
 
 
 def fmt(v):
