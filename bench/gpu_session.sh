@@ -9,11 +9,12 @@
 # Steps (a step starts only if at least MIN_STEP seconds are left; what is skipped is said in the log):
 #   1  attention, 0.4b, batch 8, N = 3081, bf16, full-attention and GQA blocks, forward and forward +
 #      backward: Triton (autotuned; its choice in the row's config) and the forward variants forced
-#      (triton[128x64w8s3], ...o overlapped softmax, ...to + TMA, 128x128w8s2to) | auto (the default dispatch) |
-#      SDPA reference | SDPA flash | cuDNN | efficient
+#      (triton[128x64w8s3], ...r128 two programs per SM, ...o overlapped softmax, ...to + TMA, ...tog + persistent,
+#      128x128w8s2to) | auto (the default dispatch) | SDPA reference | SDPA flash | cuDNN | efficient
 #      -> targets: >= 450 TFLOP/s forward at D = 64, >= 300 forward + backward, auto never below SDPA
-#      (about 60 compiles: the forward autotunes over 10 (MHA) or 13 (GQA) configurations, dK/dV 7, dQ 6). Every row carries
-#      max_rel_err against the fp32 reference on the same inputs: a fast variant that computes something else shows
+#      (about 60 compiles: the forward autotunes over 10 (MHA) or 13 (GQA) configurations, dK/dV 7, dQ 6).
+#      Every row carries max_rel_err against the fp32 reference on the same inputs: a fast variant that computes
+#      something else shows.
 #   2  the copy ceiling (1 GiB device copy), then qk_norm_rope 0.4b and 5b (bf16 and fp32 q/k, bf16 tables)
 #      -> >= 80% of the copy bandwidth
 #   3  attention, 5b (the aligned D = 76 layout) and 0.8b (D = 80), batch 8 -> >= 400 TFLOP/s forward
