@@ -386,17 +386,26 @@ def _query_descriptors(image_base, N, HQ, sh, sn, HEAD_DIM: tl.constexpr, D0: tl
 
 
 @triton.jit
+def _query_chunks(desc0, desc1, image_base, h, start_m, N, sh, sn, sd, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
+                  D1: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+    """Both column chunks of one query-side tile (_query_rows); the second is the first again when D1 == 0."""
+    x0 = _query_rows(desc0, image_base, h, start_m, N, sh, sn, sd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
+    if D1 > 0:
+        x1 = _query_rows(desc1, image_base, h, start_m, N, sh, sn, sd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
+    else:
+        x1 = x0  # unused
+    return x0, x1
+
+
+@triton.jit
 def _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd,
                  HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
                  TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """S^T = K Q^T for one query tile of head h: (BLOCK_N, BLOCK_M) fp32, and the Q tile's chunks."""
-    q0 = _query_rows(q_desc0, q_image, h, start_m, N, sqh, sqn, sqd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
+    q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA)
     qkT = _dot(k0, tl.trans(q0), None, DOT_PRECISION, UPCAST_DOT)
     if D1 > 0:
-        q1 = _query_rows(q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
         qkT = _dot(k1, tl.trans(q1), qkT, DOT_PRECISION, UPCAST_DOT)
-    else:
-        q1 = q0  # unused
     return qkT, q0, q1
 
 
@@ -507,22 +516,16 @@ def _attn_bwd_dkdv_kernel(
             next_h = g * GROUP + (i + 1) // num_tiles
             qkT, _, _ = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, next_h, ((i + 1) % num_tiles) * BLOCK_M,
                                      N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-            q0 = _query_rows(q_desc0, q_image, h, start_m, N, sqh, sqn, sqd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
-            if D1 > 0:
-                q1 = _query_rows(q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
-            else:
-                q1 = q0  # unused
+            q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1,
+                                   BLOCK_M, TMA)
             dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
         h = g * GROUP + (steps - 1) // num_tiles
         start_m = ((steps - 1) % num_tiles) * BLOCK_M
         dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
                                      b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
                                      BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-        q0 = _query_rows(q_desc0, q_image, h, start_m, N, sqh, sqn, sqd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
-        if D1 > 0:
-            q1 = _query_rows(q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
-        else:
-            q1 = q0  # unused
+        q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M,
+                               TMA)
         dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
 
     dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn

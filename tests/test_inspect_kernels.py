@@ -30,6 +30,18 @@ def load_inspect_kernels():
     return module
 
 
+def run_inspect(tmp_path, *args):
+    """bench/inspect_kernels.py --arch sm_90a ARGS in its own process (compiling for real needs the kernel modules
+    imported without TRITON_INTERPRET, which tests/conftest.py sets for this whole pytest process): the finished
+    process and the rows it wrote."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a", *args,
+                          "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads(out.read_text())["rows"]
+
+
 @pytest.fixture(scope="module")
 def cuobjdump():
     try:
@@ -39,17 +51,9 @@ def cuobjdump():
 
 
 def test_5b_kernels_on_hopper(cuobjdump, tmp_path):
-    # In its own process: compiling for real needs the kernel modules imported without TRITON_INTERPRET, which
-    # tests/conftest.py sets for this whole pytest process.
-    out = tmp_path / "rows.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
-                          "--presets", "5b", "--blocks", "mha", "--first-config",
-                          "--only", "attn_fwd|qk_norm_rope_fwd", "--json", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(out.read_text())
-    rows = {r["name"]: r for r in data["rows"]}
+    run, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--first-config",
+                            "--only", "attn_fwd|qk_norm_rope_fwd")
+    rows = {r["name"]: r for r in rows}
     assert sorted(rows) == ["_attn_fwd_kernel", "_qk_norm_rope_fwd_kernel"]
     assert "_attn_fwd_kernel" in run.stdout  # the table
     for r in rows.values():
@@ -67,14 +71,9 @@ def test_gqa_packed_forward_on_hopper(cuobjdump, tmp_path):
     compiles to wgmma + cp.async without spills or local memory, and its launch reads half the K/V bytes of
     the unpacked 128-row tile (one program per K/V head instead of per query head, same tokens' worth of rows
     per K/V tile load)."""
-    out = tmp_path / "rows.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
-                          "--presets", "0.8b", "--blocks", "gqa2", "--only", "attn_fwd",
-                          "--cfg", "^(128x64w8s3|256x64w8s2p)$", "--json", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {r["constexprs"]["PACK"]: r for r in json.loads(out.read_text())["rows"]}
+    _, rows = run_inspect(tmp_path, "--presets", "0.8b", "--blocks", "gqa2", "--only", "attn_fwd",
+                          "--cfg", "^(128x64w8s3|256x64w8s2p)$")
+    rows = {r["constexprs"]["PACK"]: r for r in rows}
     plain, packed = rows[False], rows[True]
     assert (plain["constexprs"]["BLOCK_M"], packed["constexprs"]["BLOCK_M"]) == (128, 256)
     assert packed["spill_store_bytes"] == packed["spill_load_bytes"] == packed["ldl"] == packed["stl"] == 0, packed
@@ -93,15 +92,10 @@ def test_tma_and_overlapped_softmax_on_hopper(cuobjdump, tmp_path):
     - the plain order: MMAs and softmax alternate (no exp2 under a wgmma), which shows the count can tell them apart;
     - the TMA one on a persistent grid (suffix tog).
     None spills."""
-    out = tmp_path / "rows.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
-                          "--presets", "5b", "--blocks", "mha", "--only", "attn_fwd",
-                          "--cfg", "^128x64w8s3(|o|to|tog)$", "--json", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {(r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r for r in json.loads(out.read_text())["rows"]
-            if not r["constexprs"]["PERSISTENT"]}
+    _, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--only", "attn_fwd",
+                          "--cfg", "^128x64w8s3(|o|to|tog)$")
+    persistent, = [r for r in rows if r["constexprs"]["PERSISTENT"]]
+    rows = {(r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r for r in rows if not r["constexprs"]["PERSISTENT"]}
     assert sorted(rows) == [(False, False), (False, True), (True, True)]
     for r in rows.values():
         assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["ldl"] == r["stl"] == 0, r
@@ -113,7 +107,6 @@ def test_tma_and_overlapped_softmax_on_hopper(cuobjdump, tmp_path):
     assert tma["utmaldg"] > 0 and tma["ldgsts"] == 0 and overlapped["utmaldg"] == 0 and overlapped["ldgsts"] > 0
     # the persistent grid (suffix g): one program per SM (132), the same loop, no spills; a few values wait in
     # local memory outside the loops (its registers reach 255 at D = 76)
-    persistent, = [r for r in json.loads(out.read_text())["rows"] if r["constexprs"]["PERSISTENT"]]
     assert persistent["grid"] == [132] and persistent["kv_bytes_total"] == tma["kv_bytes_total"]
     assert persistent["loop_local_memory"] == 0 and persistent["spill_store_bytes"] <= 8  # 3.6: 4 B at GQA, outside
     assert persistent["utmaldg"] > 0 and persistent["loop_ex2_under_wgmma"] >= persistent["loop_ex2"] - 2
@@ -124,13 +117,7 @@ def test_two_programs_per_sm_with_128_registers(cuobjdump, tmp_path):
     fit an SM, with no local memory inside the loop. Outside it, at D = 80, a few values wait in local memory across
     the loop (stored before it, loaded after): with triton 3.9 none of it counts as spills, with triton 3.6 (the
     H200 machines') 8 bytes do, once per program."""
-    out = tmp_path / "rows.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
-                          "--presets", "0.8b,5b", "--blocks", "mha", "--only", "attn_fwd", "--cfg", "r128$",
-                          "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    _, rows = run_inspect(tmp_path, "--presets", "0.8b,5b", "--blocks", "mha", "--only", "attn_fwd", "--cfg", "r128$")
     assert [r["preset"] for r in rows] == ["0.8b", "5b"]
     for r in rows:
         assert r["maxnreg"] == 128 and r["registers"] <= 128 and r["ctas_per_sm"] == 2, r
@@ -142,15 +129,9 @@ def test_backward_variants_on_hopper(cuobjdump, tmp_path):
     """The 5b backward (D = 76) variants, compiled for sm_90a without spills: dQ with OVERLAP keeps its dQ MMA in
     flight under most of the next tile's exp2s, dK/dV with OVERLAP under some of them, and
     with TMA both load their streamed tiles with UTMALDG instead of cp.async."""
-    out = tmp_path / "rows.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "inspect_kernels.py"), "--arch", "sm_90a",
-                          "--presets", "5b", "--blocks", "mha", "--only", "dkdv|dq",
-                          "--cfg", "^(128x64w8s3(o|to)|32x128w8s3(o|t))$", "--json", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {(r["name"], r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r
-            for r in json.loads(out.read_text())["rows"]}
+    _, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--only", "dkdv|dq",
+                          "--cfg", "^(128x64w8s3(o|to)|32x128w8s3(o|t))$")
+    rows = {(r["name"], r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r for r in rows}
     assert len(rows) == 4
     for r in rows.values():
         assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["ldl"] == r["stl"] == 0, r
