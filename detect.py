@@ -29,7 +29,6 @@ its image processor's `post_process_object_detection`.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -794,8 +793,9 @@ def read_source(source) -> tuple[dict, dict, dict, str]:
     else:
         raise FileNotFoundError(f"{source}: no such file or folder, and not a hub id like {DEFAULT_DETECTOR} "
                                 f"(short names: {', '.join(DETECTOR_IDS)})")
-    read = lambda file: json.loads((folder / file).read_text()) if (folder / file).exists() else {}  # noqa: E731
-    return tensors, read("config.json"), read("preprocessor_config.json"), name
+    def beside(file: str) -> dict:  # a broken one is named (weights.read_json), a missing one is {}
+        return weights.read_json(folder / file) if (folder / file).exists() else {}
+    return tensors, beside("config.json"), beside("preprocessor_config.json"), name
 
 
 def config_from_weights(state: dict[str, torch.Tensor], source: str) -> dict:

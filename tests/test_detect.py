@@ -308,6 +308,16 @@ def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match=r"junk\.safetensors: not a readable safetensors file"):
         detect.load(tmp_path / "junk.safetensors")
+    (bare / "config.json").write_text("{not json")  # beside a file, and a folder's preprocessor config
+    with pytest.raises(weights.CheckpointError, match=r"bare/config\.json: not valid JSON"):
+        detect.load(bare / "weights.safetensors")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    (broken / "model.safetensors").symlink_to(folder / "model.safetensors")
+    (broken / "preprocessor_config.json").write_text("[1, 2]")
+    with pytest.raises(weights.CheckpointError, match=r"preprocessor_config\.json: expected a JSON object"):
+        detect.load(broken)
     config = json.loads((folder / "config.json").read_text())
     for key, value, why in (("eval_idx", 0, "eval_idx=0 is not supported"),
                             ("model_type", "rt_detr", "expected 'd_fine'"),
