@@ -40,9 +40,7 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -50,6 +48,7 @@ import torch
 from torch import nn
 
 import heads
+import safe_io
 import weights
 from predict import CONVENTIONS, model_source
 from sapiens2 import Sapiens2
@@ -310,25 +309,6 @@ def check_output_path(path: Path, fmt: str):
         raise UsageError(f"-o {path}: not writable ({existing}); choose another location")
 
 
-@contextlib.contextmanager
-def staging_folder(path: Path):
-    """A temporary folder beside `path`; its files are moved beside `path` only when the block succeeds
-    (a rename on the same file system), and it is removed in every case: a failed or interrupted export
-    leaves nothing, and an existing file of that name is only replaced by a checked one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        yield staging
-        staged = sorted(staging.iterdir())
-        for item in staged:
-            os.replace(item, path.parent / item.name)
-        stale = path.with_name(path.name + ".data")  # the weights of an earlier, bigger export of that name
-        if path.suffix == ".onnx" and stale.name not in {item.name for item in staged} and stale.exists():
-            stale.unlink()
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
@@ -394,7 +374,7 @@ def export(args) -> dict[str, float]:
         expected = wrapper(example)  # also fills the RoPE table cache: the tables become graph constants
     write, run = WRITERS[args.format]
     info = describe(args.task, source, model, size, dtype, args.dynamic_batch)
-    with staging_folder(path) as staging:
+    with safe_io.staging_folder(path.parent, prefix=f".{path.name}.") as staging:
         print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
               f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {rope}) to {args.format} ...",
               file=sys.stderr)
@@ -406,6 +386,10 @@ def export(args) -> dict[str, float]:
         if not all(d <= bound for d in differences.values()):  # (NaN fails too)
             raise CheckFailed(f"the {args.format} artifact differs from eager by more than {bound:.0e}: "
                               f"{path} not written")
+        written = {item.name for item in staging.iterdir()}
+    stale = path.with_name(path.name + ".data")  # the weights of an earlier, bigger export of that name
+    if path.suffix == ".onnx" and stale.name not in written and stale.exists():
+        stale.unlink()
     print(f"wrote {path}", file=sys.stderr)
     return differences
 

@@ -18,6 +18,8 @@ import math
 import os
 import re
 import secrets
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +63,25 @@ def atomic_write(path: Path, value):
         with contextlib.suppress(OSError):  # a read-only file system refuses even that; the write error matters
             temp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def staging_folder(destination: Path, prefix: str, last: tuple[str, ...] = ()):
+    """A fresh temporary folder inside `destination` (`PREFIX…tmp`, unique to this writer) for files that must
+    appear together: when the block succeeds they are moved into `destination` (renames on one file system; the
+    names in `last` after the others, e.g. the file that says the rest is complete), and the folder is removed in
+    every case. A failed or interrupted write leaves no partial file under a final name, and a crashed earlier
+    writer's folder is never reused."""
+    destination.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=destination))
+    try:
+        yield staging
+        staged = sorted(staging.iterdir(), key=lambda item: (item.name in last, last.index(item.name)
+                                                              if item.name in last else 0, item.name))
+        for item in staged:
+            os.replace(item, destination / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def temporary_path(path: Path) -> Path:

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 import heads
 import processing
+import safe_io
 import train_data
 import weights
 from sapiens2 import PRESETS, Sapiens2
@@ -433,10 +434,13 @@ def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, di
 
 
 def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info, global_batch):
-    """Every file goes to a temporary name first; train_state.json, written last, names the step."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".checkpoint.tmp"
-    tmp.mkdir(exist_ok=True)
+    """Every file is written into a fresh staging folder first and moved into OUT only when all are written;
+    train_state.json, moved last, names the step."""
+    with safe_io.staging_folder(out, prefix=".checkpoint.", last=(STATE_FILE,)) as tmp:
+        write_checkpoint_files(tmp, model, model_state, optimizer_state, rng, step, args, info, global_batch)
+
+
+def write_checkpoint_files(tmp: Path, model, model_state, optimizer_state, rng, step, args, info, global_batch):
     with torch.device("meta"):
         plain = heads.build_task_model(model.config, model.head_config)
     plain.load_state_dict({k: v.float() for k, v in model_state.items()}, assign=True)
@@ -457,9 +461,6 @@ def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, 
     state = {"step": step, "global_batch": global_batch, "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
              "param_groups": groups, "info": info, "torch": torch.__version__}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-    for name in ("model.safetensors", "config.json", OPTIMIZER_FILE, STATE_FILE):
-        os.replace(tmp / name, out / name)
-    tmp.rmdir()
 
 
 def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> int:

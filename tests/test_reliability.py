@@ -370,6 +370,30 @@ def test_temporary_names_are_unique_per_writer(tmp_path):
                                                      r"\.partial", n) for n in names)
 
 
+def test_staging_folder_moves_all_or_nothing(tmp_path, monkeypatch):
+    """safe_io.staging_folder (train.py's checkpoints, export.py's artifacts): files appear in the destination
+    together and only on success (the `last` names moved after the others); a failure leaves the destination as
+    it was; the staging folder is gone either way; two writers never share one."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "state.json").write_text("old")
+    with pytest.raises(RuntimeError), safe_io.staging_folder(out, prefix=".ckpt.", last=("state.json",)) as staging:
+        (staging / "model.bin").write_text("new")
+        raise RuntimeError("disk full")
+    assert sorted(p.name for p in out.iterdir()) == ["state.json"] and (out / "state.json").read_text() == "old"
+    moved = []
+    real_replace = os.replace
+    monkeypatch.setattr(safe_io.os, "replace", lambda a, b: moved.append(Path(b).name) or real_replace(a, b))
+    with safe_io.staging_folder(out, prefix=".ckpt.", last=("state.json",)) as first, \
+            safe_io.staging_folder(out, prefix=".ckpt.") as second:
+        assert first != second and first.parent == second.parent == out and first.name.startswith(".ckpt.")
+        for name in ("state.json", "b.bin", "a.bin"):
+            (first / name).write_text(name)
+    assert moved == ["a.bin", "b.bin", "state.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.bin", "b.bin", "state.json"]
+    assert (out / "state.json").read_text() == "state.json"
+
+
 # ----------------------------------------------------------------------------------------------------
 # Boxes and strict JSON
 # ----------------------------------------------------------------------------------------------------

@@ -234,6 +234,7 @@ def test_resume_is_exact(backbone, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     last_loss = lambda out: [r["loss"] for r in read_log(out) if "loss" in r][-1]  # noqa: E731
     assert last_loss(whole) == last_loss(split)
+    assert not [p for out in (whole, split) for p in out.iterdir() if p.name.startswith(".")]  # no staging left
 
 
 def test_resume_refuses_changed_options(backbone, tmp_path, capsys):
