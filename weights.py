@@ -719,8 +719,15 @@ def download(repo_id: str, revision: str = "main", progress: bool = True) -> Pat
         import huggingface_hub
         import huggingface_hub.errors
     except ImportError:  # optional: the built-in downloader does the same, without auth helpers or xet
-        return _download_builtin(repo_id, revision, local, progress)
-    return _download_with_hub(huggingface_hub, repo_id, revision)
+        huggingface_hub = None
+    where = local if huggingface_hub is None else hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    unresolvable = _unresolvable_host(endpoint)
+    if unresolvable:  # no network: fail at once (huggingface_hub would retry each file for ~25 s first)
+        raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {unresolvable}"))
+    if huggingface_hub is None:
+        return _download_builtin(repo_id, revision, local, endpoint, progress)
+    return _download_with_hub(huggingface_hub, repo_id, revision, endpoint, where)
 
 
 def _complete(directory: Path) -> bool:
@@ -749,15 +756,11 @@ def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     return snapshot if snapshot.is_dir() else None
 
 
-def _download_with_hub(hub, repo_id: str, revision: str) -> Path:
-    """Download into the Hugging Face cache with huggingface_hub; the snapshot directory."""
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+def _download_with_hub(hub, repo_id: str, revision: str, endpoint: str, where: Path) -> Path:
+    """Download into the Hugging Face cache (`where`: the repo's folder there) with huggingface_hub; the snapshot
+    directory."""
     get = lambda name: Path(hub.hf_hub_download(  # noqa: E731
         repo_id, name, revision=revision, cache_dir=hf_cache_dir(), endpoint=endpoint))
-    where = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
-    unresolvable = _unresolvable_host(endpoint)
-    if unresolvable:  # no network: huggingface_hub would retry each file for ~25 s before saying so
-        raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {unresolvable}"))
     try:
         _hub_optional(hub, get, "config.json")
         weights_file = _hub_optional(hub, get, "model.safetensors")
@@ -797,11 +800,7 @@ def _hub_optional(hub, get, name: str) -> Path | None:
         raise
 
 
-def _download_builtin(repo_id: str, revision: str, local: Path, progress: bool) -> Path:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    unresolvable = _unresolvable_host(endpoint)
-    if unresolvable:
-        raise FileNotFoundError(_how_to_get(repo_id, revision, local, f"download failed: {unresolvable}"))
+def _download_builtin(repo_id: str, revision: str, local: Path, endpoint: str, progress: bool) -> Path:
     have = lambda name: (local / name).exists()  # noqa: E731
     local.mkdir(parents=True, exist_ok=True)
     url = f"{endpoint}/{repo_id}/resolve/{revision}/"
