@@ -39,7 +39,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -50,7 +49,7 @@ from torch import nn
 import heads
 import safe_io
 import weights
-from predict import CONVENTIONS, model_source
+from predict import CONVENTIONS, model_source, parse_size
 from sapiens2 import Sapiens2
 
 TASKS = ("pose", "seg", "normal", "pointmap", "matting", "albedo", "features")
@@ -312,13 +311,6 @@ def check_output_path(path: Path, fmt: str):
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"(\d+)[x,](\d+)", text.strip())
-    if not match or int(match[1]) == 0 or int(match[2]) == 0:
-        raise argparse.ArgumentTypeError(f"size must be HEIGHTxWIDTH, e.g. 1024x768, got {text!r}")
-    return int(match[1]), int(match[2])
 
 
 def build_parser() -> argparse.ArgumentParser:

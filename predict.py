@@ -1086,7 +1086,9 @@ def write_final_manifest(path: Path, manifest: dict):
 # Command line
 # ----------------------------------------------------------------------------------------------------
 def parse_size(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"(\d+)[x,](\d+)", text.strip())
+    """--size of predict.py, train.py and export.py: HxW (or H,W), each side a multiple of the patch size within
+    SIZE_RANGE."""
+    match = re.fullmatch(r"(\d+)[xX,](\d+)", text.strip())
     low, high = SIZE_RANGE
     if not match:
         raise argparse.ArgumentTypeError(f"size must be HEIGHTxWIDTH, e.g. 1024x768, got {text!r}")

@@ -38,6 +38,7 @@ import processing
 import safe_io
 import train_data
 import weights
+from predict import parse_size
 from sapiens2 import PRESETS, Sapiens2
 
 STATE_FILE, OPTIMIZER_FILE, LOG_FILE = "train_state.json", "optimizer.safetensors", "log.jsonl"
@@ -90,16 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    try:
-        h, w = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must be HxW, e.g. 1024x768, got {text!r}") from None
-    if h <= 0 or w <= 0 or h % 16 or w % 16:
-        raise argparse.ArgumentTypeError(f"size {text}: height and width must be positive multiples of 16")
-    return h, w
 
 
 def parse_head(text: str) -> list[list[int]]:

@@ -253,7 +253,6 @@ def test_missing_onnx_package_one_line_hint(missing, checkpoints, tmp_path, monk
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["seg", "--size", "60x48"], "--size: image size 60x48 does not work"),
     (["pointmap", "--size", "64x48"], "the pointmap scale branch was built for 128x96"),
     (["seg", "--dtype", "bf16"], "--format onnx --dtype bf16: ONNX Runtime has no bf16 kernels"),
     (["seg", "-o", "{tmp}/seg.pt2"], "a onnx file should end in .onnx"),
@@ -281,11 +280,29 @@ def test_unwritable_output_exit_2(checkpoints, tmp_path, monkeypatch, capsys):
     assert "not writable" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
 
 
-def test_malformed_size_is_an_argparse_error(capsys):
+@pytest.mark.parametrize("size, message", [("1024by768", "size must be HEIGHTxWIDTH"),
+                                           ("60x48", "each side must be a multiple of 16 from 32 to 4096")])
+def test_malformed_size_is_an_argparse_error(size, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        export.main(["seg", "-o", "x.onnx", "--size", "1024by768"])
+        export.main(["seg", "-o", "x.onnx", "--size", size])
     assert exit_info.value.code == 2
-    assert "size must be HEIGHTxWIDTH" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_one_size_parser_for_every_command():
+    """predict.py, train.py and export.py read --size with one function: the same forms (HxW, HXW, H,W) and the
+    same limits (multiples of the patch size, 32 to 4096)."""
+    import argparse
+
+    import predict
+    import train
+
+    assert export.parse_size is train.parse_size is predict.parse_size
+    assert [predict.parse_size(t) for t in ("1024x768", "1024X768", " 512,384 ")] == [(1024, 768), (1024, 768),
+                                                                                     (512, 384)]
+    for bad in ("1000x768", "16x16", "8192x768", "1024by768"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            predict.parse_size(bad)
 
 
 @pytest.mark.skipif(not os.environ.get("SAPIENS2_SLOW_TESTS"), reason="AOTInductor compiles C++ (~45 s on 2 cores); "
