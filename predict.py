@@ -296,9 +296,15 @@ def read_boxes_file(path: str) -> dict[str, list[list[float]]]:
     return boxes
 
 
+def box_keys(item: InputImage) -> tuple[str, ...]:
+    """The --boxes keys that name an input, in the order they are tried: relative path, file name, path as
+    given, absolute path (a video's frames add `#N` to them)."""
+    return item.relative, item.path.name, str(item.path), str(item.path.resolve())
+
+
 def boxes_for(item: InputImage, boxes: dict) -> list | None:
-    """The --boxes entry of an image, looked up by relative path, file name, path as given, absolute path."""
-    for key in (item.relative, item.path.name, str(item.path), str(item.path.resolve())):
+    """The --boxes entry of an image (box_keys)."""
+    for key in box_keys(item):
         if key in boxes:
             return boxes[key]
     return None
@@ -1358,9 +1364,8 @@ def unmatched_boxes_warnings(path: str | None, boxes: dict | None, items: list[I
     """A --boxes key that names no input is most likely a typo or a different relative path: say so."""
     if not boxes:
         return []
-    keys = {key for item in items for key in (item.relative, item.path.name, str(item.path), str(item.path.resolve()))}
-    clips = {key for item in items if video.is_video(item.path)
-             for key in (item.relative, item.path.name, str(item.path), str(item.path.resolve()))}
+    keys = {key for item in items for key in box_keys(item)}
+    clips = {key for item in items if video.is_video(item.path) for key in box_keys(item)}
     frame_key = re.compile(r"(.+)#\d+")  # a video frame: `REL#N`
     unmatched = [key for key in boxes if key not in keys
                  and not ((match := frame_key.fullmatch(key)) and match[1] in clips)]
