@@ -1454,7 +1454,7 @@ def video_settings(args, ctx: Context) -> video.VideoSettings:
                                args.track_patience, smoothing, tuple(pictures))
 
 
-VIDEO_PIPELINE = video.Pipeline(process, write_outputs, all_written, atomic_write)
+VIDEO_PIPELINE = video.Pipeline(process, write_outputs, all_written)
 
 
 def process_video(ctx: Context, clip: InputImage, settings: video.VideoSettings, progress: Progress) -> dict:

@@ -21,7 +21,7 @@ from PIL import Image
 
 import formats
 import tracking
-from safe_io import temporary_path
+from safe_io import atomic_write, temporary_path
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
 ENCODERS = ("libx264", "mpeg4")  # H.264 where FFmpeg has it, else MPEG-4 part 2 (in every FFmpeg build)
@@ -195,11 +195,10 @@ class OverlayVideos:
 @dataclass(frozen=True)
 class Pipeline:
     """What predict.py lends a video: run a batch (infer, write with `write`, report failures), write one
-    frame's files, check a frame's files exist, write a file atomically."""
+    frame's files, check a frame's files exist."""
     process: Callable  # (ctx, [(item, image)], progress, write) -> None
     write_outputs: Callable  # (ctx, item, image, result) -> ({suffix: what was written}, [(task, error)])
     all_written: Callable  # (ctx, item) -> bool
-    save_artefact: Callable  # (path, value) -> None
 
 
 @dataclass(frozen=True)
@@ -264,7 +263,7 @@ class VideoRun:
             self.progress.total += self.sent - expected
             overlays = self.overlays.close(keep=completed)
             if completed and self.tracker is not None:
-                self.pipeline.save_artefact(self.ctx.out / f"{self.name}.tracks.json", self.tracks_json())
+                atomic_write(self.ctx.out / f"{self.name}.tracks.json", self.tracks_json())
         if completed and damaged is None and self.sent + self.skipped < expected:  # FFmpeg ends truncated files quietly
             self.progress.note(f"warning: {self.clip.path}: {self.sent + self.skipped} of the {expected} selected "
                                f"frames its header announces were decoded (a truncated file?)")
