@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,6 +48,16 @@ def at_file_precision(person: dict, count: int | None = None) -> dict:
             "scores": torch.tensor([round(s, 4) for s in scores.tolist()], dtype=torch.float64),
             "labels": torch.arange(len(scores)),
             "bbox": torch.tensor([round(v, 2) for v in person["bbox"].tolist()], dtype=torch.float64)}
+
+
+def read_pose_json(path) -> tuple[dict, list[dict]]:
+    """A NAME.pose.json read back: (its image entry, its people as person dicts). ValueError naming the file when
+    it is missing, damaged or not a pose.json (the one reader for --skip-existing: COCO results, video tracks)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return data["image"], people_from_pose_json(data)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+        raise ValueError(f"{path}: not a readable pose.json ({type(e).__name__}: {e})") from None
 
 
 def people_from_pose_json(data: dict) -> list[dict]:
@@ -167,12 +178,12 @@ class CocoResults:
         self.images[name] = (image_file, entries)
 
     def add_from_pose_json(self, name: str, path) -> bool:
-        """An image skipped by --skip-existing: its people from its pose.json. False when there is none."""
+        """An image skipped by --skip-existing: its people from its pose.json. False when it cannot be read."""
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            image, people = read_pose_json(path)
+        except ValueError:
             return False
-        self.add(name, data["image"], people_from_pose_json(data))
+        self.add(name, image, people)
         return True
 
     def results(self) -> list[dict]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -249,9 +249,9 @@ class VideoRun:
                     item = self.frame(index)
                     if self.settings.skip_existing and self.pipeline.all_written(self.ctx, item):
                         self.flush(pending)
-                        self.resume(item)
-                        self.forget([item])
-                        continue
+                        if self.resume(item):
+                            self.forget([item])
+                            continue
                     pending.append((item, image))
                     if len(pending) == self.ctx.batch_size:
                         self.flush(pending)
@@ -298,16 +298,24 @@ class VideoRun:
         self.written += not failures  # as run.json's counts: a frame with a failed task is a failed frame
         return written, failures
 
-    def resume(self, item):
+    def resume(self, item) -> bool:
         """A frame an earlier run wrote: its people and pictures read back, so tracks, overlay videos and the
-        COCO results carry on as in one run."""
-        self.skipped += 1
+        COCO results carry on as in one run. False, with a warning, when its pose.json is there but cannot be
+        read (damaged): the frame is then run again. (Without --save json there is none to read.)"""
         stem = self.ctx.out / self.ctx.names[item]
         pose = stem.with_name(stem.name + ".pose.json")
-        if self.tracker is not None and pose.exists():
-            self.tracker.restore(self.index[item], formats.people_from_pose_json(json.loads(pose.read_text())))
-        if self.ctx.coco is not None:
-            self.ctx.coco.add_from_pose_json(self.ctx.names[item], pose)
+        if (self.tracker is not None or self.ctx.coco is not None) and pose.exists():
+            try:
+                image, people = formats.read_pose_json(pose)
+            except ValueError as error:
+                print(f"warning: {error}; running frame {self.index[item]} of {self.clip.path} again",
+                      file=sys.stderr)
+                return False
+            if self.tracker is not None:
+                self.tracker.restore(self.index[item], people)
+            if self.ctx.coco is not None:
+                self.ctx.coco.add(self.ctx.names[item], image, people)
+        self.skipped += 1
         pictures = {}
         for suffix in self.settings.picture_suffixes:
             path = stem.with_name(stem.name + suffix)
@@ -315,6 +323,7 @@ class VideoRun:
                 with Image.open(path) as picture:
                     pictures[suffix] = picture.convert("RGB")
         self.overlays.add(pictures)
+        return True
 
     def tracks_json(self) -> dict:
         return {"video": self.clip.relative, "fps": float(self.rate), "frames_processed": self.tracker.step,

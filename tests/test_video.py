@@ -239,6 +239,15 @@ def test_resuming_a_smoothed_tracked_video_gives_the_files_of_one_run(checkpoint
     results = json.loads(first["coco_keypoints.json"])
     assert [r["image_id"] for r in results] == [i for i in range(FRAMES) for _ in range(2)]
     assert results[0]["image_file"] == "clip.mp4#0"
+    # a damaged pose.json (the tracks and COCO results need it) is not resumed from: that frame runs again
+    (tmp_path / "clip" / "000002.pose.json").write_text('{"people": [')
+    capsys.readouterr()
+    run_cli(*args, "--skip-existing", capsys=capsys)
+    assert "000002.pose.json: not a readable pose.json" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "run.json").read_text())["videos"]["clip.mp4"]
+    assert (summary["frames_written"], summary["frames_skipped_existing"]) == (1, FRAMES - 1)
+    redone = json.loads((tmp_path / "clip" / "000002.pose.json").read_text())["people"]
+    assert [p["track_id"] for p in redone] == [p["track_id"] for p in json.loads(first["000002.pose.json"])["people"]]
 
 
 def test_one_euro_defaults_remove_jitter_without_lag():
