@@ -11,8 +11,8 @@ detector once per image.
 FLOPs (2 per multiply-add) are counted on the meta device with hooks: every nn.Linear and nn.Conv2d, plus
 4 N^2 d per head in each self-attention; the deformable attention's bilinear sampling (~10 FLOPs per sampled
 channel, under 0.1% here) is left out. For the pose model bench/e2e.py's count_flops is reused.
-Latency: `--warmup` calls, then the median of `--reps` timed calls (time.perf_counter; cuda: synchronized),
-under torch.inference_mode. Results: bench/results/detector-<device>.json and .md.
+Latency: `--warmup` calls, then the median of `--reps` timed calls (bench/e2e.py's time_calls: CUDA events on a
+GPU, time.perf_counter on CPU), under torch.inference_mode. Results: bench/results/detector-<device>.json and .md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
@@ -79,25 +78,11 @@ def count_detector_flops(size: str, input_size=detect.INPUT_SIZE) -> dict:
         f"flops_{k}": v for k, v in totals.items()})
 
 
-def time_calls(fn, device: str, warmup: int, reps: int) -> list[float]:
-    times = []
-    for i in range(warmup + reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def measure(name: str, model: torch.nn.Module, inputs: torch.Tensor, args, warmup: int, reps: int) -> dict:
     model = model.to(args.device, e2e.DTYPES[args.dtype]).eval()
     inputs = inputs.to(args.device, e2e.DTYPES[args.dtype])
     with torch.inference_mode():
-        times = time_calls(lambda: model(inputs), args.device, warmup, reps)
+        times = e2e.time_calls(lambda: model(inputs), args.device, warmup, reps)
     print(f"{name}: median {statistics.median(times):.1f} ms over {len(times)} calls", file=sys.stderr)
     return dict(times_ms=times, median_ms=statistics.median(times))
 
