@@ -18,7 +18,6 @@ GPU, time.perf_counter on CPU), under torch.inference_mode. Results: bench/resul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -32,6 +31,7 @@ sys.path.append(str(ROOT / "bench"))  # after the root, so bench/kernels.py cann
 
 import detect  # noqa: E402
 import e2e  # noqa: E402
+import safe_io  # noqa: E402
 
 # The released COCO architectures (transformers' conversion script; every other field is DFineConfig's default).
 _B0 = dict(stem_channels=[3, 16, 16], stage_in_channels=[16, 64, 256, 512], stage_mid_channels=[16, 32, 64, 128],
@@ -123,7 +123,7 @@ def main(argv=None):
             "load_average_at_end": os.getloadavg(), "rows": rows}  # a shared machine: other processes slow both rows
     out = args.out or ROOT / "bench" / "results" / f"detector-{e2e.device_slug(args.device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+    out.write_text(safe_io.json_text(data, indent=1))
     out.with_suffix(".md").write_text(markdown(data))
     print(markdown(data))
 

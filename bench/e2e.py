@@ -85,6 +85,7 @@ sys.path.insert(0, str(ROOT))
 
 import heads  # noqa: E402
 from runtime_info import device_peaks, versions  # noqa: E402
+import safe_io  # noqa: E402
 import sapiens2  # noqa: E402
 import weights  # noqa: E402
 
@@ -790,7 +791,7 @@ def main(argv=None) -> int:
             data["command"] = previous.get("command", "") + " ; " + command
             data["memory_method"] = data["memory_method"] or previous.get("memory_method")
         add_derived(data["rows"], dev_name)
-        out.write_text(json.dumps(data, indent=1))
+        out.write_text(safe_io.json_text(data, indent=1))
         render(out)
 
     previous = json.loads(out.read_text()) if args.append and out.exists() else None

@@ -51,6 +51,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import kernels.attention_triton as attention_triton  # noqa: E402
 import kernels.qk_norm_rope_triton as qk_norm_rope_triton  # noqa: E402
+import safe_io  # noqa: E402
 from sapiens2 import PRESETS  # noqa: E402
 
 PRESET_NAMES = ("0.4b", "0.8b", "1b", "5b")
@@ -459,7 +460,7 @@ def main(argv=None):
                 "image": list(IMAGE), "batch": BATCH, "dtype": str(DTYPE).replace("torch.", ""),
                 "note": "ahead-of-time compilation without a GPU: register/spill/SASS evidence, no timings"}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(safe_io.json_text({**info, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")
     return rows
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
 from runtime_info import device_peaks, versions  # noqa: E402
+import safe_io  # noqa: E402
 from sapiens2 import PRESETS  # noqa: E402
 
 IMAGE = (1024, 768)
@@ -281,7 +282,7 @@ class Recorder:
 
     def save(self):
         tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text(json.dumps({**self.info, "rows": self.rows}, indent=1) + "\n")
+        tmp.write_text(safe_io.json_text({**self.info, "rows": self.rows}, indent=1) + "\n")
         tmp.replace(self.out)
 
 
