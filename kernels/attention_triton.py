@@ -687,27 +687,23 @@ def pack_heads(block_m: int, pack: bool, group: int) -> int:
 _TMA_OPERANDS = {"fwd": ("k_ptr", "v_ptr"), "dq": ("k_ptr", "v_ptr"), "dkdv": ("q_ptr", "do_ptr")}
 
 
-def _pruner(name):
-    """Autotuning: drop the packed forward configurations that cannot pack (MHA, or GROUP not dividing BLOCK_M),
-    and the TMA ones where the streamed tensors cannot be read through descriptors; their twins stay."""
-    def prune(configs, named_args, **kwargs):
-        group = kwargs.get("GROUP", named_args.get("GROUP"))
-        tma = tma_usable(*(named_args[n] for n in _TMA_OPERANDS[name]))
-        return [c for c in configs
-                if (not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1)
-                and (tma or not c.kwargs.get("TMA"))]
-    return prune
+def _prune_packing(configs, named_args, **kwargs):
+    """Autotuning: drop the packed forward configurations that cannot pack (MHA, or GROUP not dividing BLOCK_M);
+    their unpacked twins stay. (GROUP is in the autotuning key, so the pruning is redone for each GROUP.)"""
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
+    return [c for c in configs if not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1]
 
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
     """True when K/V tiles can be loaded through TMA tensor descriptors: a Triton with `make_tensor_descriptor`
     (3.4+), a GPU with the TMA engine (Hopper, compute capability 9+; the CPU interpreter emulates it), and
-    tensors whose heads start on 16-byte boundaries with a unit stride on D (what the copy engine requires)."""
+    tensors whose heads start on 16-byte boundaries with a unit stride on D (what the copy engine requires) and no
+    broadcast (zero) strides."""
     if not hasattr(tl, "make_tensor_descriptor"):
         return False
     if compiled_for_gpu(tensors[0]) and not _has_tma_engine(tensors[0]):
         return False
-    return all(heads_aligned(t) and t.data_ptr() % 16 == 0 for t in tensors)
+    return all(heads_aligned(t) and t.data_ptr() % 16 == 0 and min(t.stride()[:3]) > 0 for t in tensors)
 
 
 def _has_tma_engine(t: torch.Tensor) -> bool:
@@ -740,11 +736,11 @@ def _torch_scratch(size: int, alignment: int, stream):
 # reads of the 128-row tiles, with 214-246 registers and no spills at D = 64/80/76 (an unpacked 256-row tile
 # hits 255 registers and local memory at D = 80, and pads N = 3081 to 3328 rows instead of 3200). Packed
 # twins of the smaller tiles only shorten the ragged last tile. The autotuner times packed and unpacked
-# configurations alike; packed ones are dropped for MHA blocks (_pruner).
+# configurations alike; packed ones are dropped for MHA blocks (_prune_packing).
 # OVERLAP (the softmax under the P V wgmma) keeps a second score tile alive: spill-free at 128 x 64 (138-191
 # registers) and with TMA at 128 x 128 (226-236), but the 256-row packed tiles and the cp.async 128 x 128 /
 # 64 x 128 tiles spill with it, so those run in the plain order. TMA configurations (K/V through descriptors) are
-# dropped where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_pruner).
+# left out where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_autotuned).
 # r128 (maxnreg=128): the plain 128 x 64 tile compiles into 122-128 registers without spills at D = 64/80/76, so
 # two 8-warp programs fit an SM (65,536 registers) and each one's MMAs overlap the other's softmax, the way
 # FlashAttention-3 pairs two warpgroups (column cta/sm of bench/inspect_kernels.py). The OVERLAP tiles spill
@@ -792,17 +788,23 @@ _DQ_CONFIGS_FP32 = _bwd_configs([(64, 16, 4, 2), (64, 32, 8, 2)])
 _KEY = ["N", "BH", "HEAD_DIM", "GROUP"]
 
 
-def _autotuned(kernel, name, configs):
-    return triton.autotune(configs, key=_KEY, prune_configs_by={"early_config_prune": _pruner(name)})(kernel)
+def _autotuned(kernel, configs, tma: bool):
+    """The autotuned launcher over `configs`, or over those without TMA when `tma` is False. Two launchers per
+    kernel, chosen at every launch by tma_usable: whether the tensors can be read through descriptors is not in
+    the autotuning key, so one launcher's cached choice (a TMA configuration, tuned on aligned tensors) would be
+    reused for tensors that TMA cannot read (a view 4 bytes off)."""
+    configs = [c for c in configs if tma or not c.kwargs.get("TMA")]
+    return triton.autotune(configs, key=_KEY, prune_configs_by={"early_config_prune": _prune_packing})(kernel)
 
 
-_TUNED = {  # (kernel, operands are fp32) -> autotuned launcher
-    ("fwd", False): _autotuned(_attn_fwd_kernel, "fwd", _FWD_CONFIGS),
-    ("dkdv", False): _autotuned(_attn_bwd_dkdv_kernel, "dkdv", _DKDV_CONFIGS),
-    ("dq", False): _autotuned(_attn_bwd_dq_kernel, "dq", _DQ_CONFIGS),
-    ("fwd", True): _autotuned(_attn_fwd_kernel, "fwd", _FWD_CONFIGS_FP32),
-    ("dkdv", True): _autotuned(_attn_bwd_dkdv_kernel, "dkdv", _DKDV_CONFIGS_FP32),
-    ("dq", True): _autotuned(_attn_bwd_dq_kernel, "dq", _DQ_CONFIGS_FP32),
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+_CONFIGS = {  # (kernel, operands are fp32) -> configurations
+    ("fwd", False): _FWD_CONFIGS, ("dkdv", False): _DKDV_CONFIGS, ("dq", False): _DQ_CONFIGS,
+    ("fwd", True): _FWD_CONFIGS_FP32, ("dkdv", True): _DKDV_CONFIGS_FP32, ("dq", True): _DQ_CONFIGS_FP32,
+}
+_TUNED = {  # (kernel, operands are fp32, TMA usable) -> autotuned launcher
+    (name, fp32, tma): _autotuned(_KERNELS[name], configs, tma)
+    for (name, fp32), configs in _CONFIGS.items() for tma in (False, True)
 }
 
 def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
@@ -817,10 +819,10 @@ def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int
     return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}{cap}"
 
 
-def tuned_config(name: str, dtype: torch.dtype) -> str | None:
-    """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype; None before any
-    autotuned launch."""
-    config = getattr(_TUNED[name, dtype == torch.float32], "best_config", None)
+def tuned_config(name: str, dtype: torch.dtype, tma: bool = True) -> str | None:
+    """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype, for tensors TMA
+    can read (`tma`) or not; None before any autotuned launch."""
+    config = getattr(_TUNED[name, dtype == torch.float32, tma], "best_config", None)
     if config is None:
         return None
     return config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
@@ -856,8 +858,7 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
     if tma and compiled_for_gpu(args[0]):
         _ensure_allocator()
     if blocks is None and compiled_for_gpu(args[0]):
-        tuned = _TUNED[name, args[0].dtype == torch.float32]
-        tuned[grid](*args, **consts)
+        _TUNED[name, args[0].dtype == torch.float32, tma][grid](*args, **consts)
         return
     blocks = blocks or INTERPRET_BLOCKS
     tiles = {"BLOCK_M": blocks["BLOCK_M"], "BLOCK_N": blocks["BLOCK_N"]}

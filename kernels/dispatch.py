@@ -189,7 +189,8 @@ def faster(key: str, run_triton, run_torch, timer=None) -> str:
     except Exception as e:  # noqa: BLE001 - any failure of the Triton side: auto runs the reference instead
         # A Triton configuration that fails on this GPU (compile error, resources, a launch refused) must not
         # take the default path down: auto falls back to the reference, says why once, and remembers it for the
-        # process (not on disk: a fixed Triton or driver should be tried again).
+        # process (not on disk: a fixed Triton or driver should be tried again). A device fault is not
+        # recoverable here (the CUDA context is lost), and wrong outputs are not detected: times are compared.
         _DECIDED[key] = {"choice": "torch", "triton_error": f"{type(e).__name__}: {str(e)[:300]}"}
         log.warning("%s: torch (the Triton kernels failed: %s; SAPIENS2_KERNELS=triton shows the full error)",
                     key, _DECIDED[key]["triton_error"])

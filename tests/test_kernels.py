@@ -315,16 +315,15 @@ def test_attention_forward_gqa_packed(dtype, D, B, HQ, HKV, N, monkeypatch):
 def test_gqa_packing_only_where_the_group_divides_the_tile():
     """pack_heads: the one rule for the grid and the kernel; the autotuner keeps packed configurations only
     for GQA blocks whose GROUP divides BLOCK_M (their unpacked twins always stay)."""
-    from kernels.attention_triton import _FWD_CONFIGS, _pruner, pack_heads
+    from kernels.attention_triton import _FWD_CONFIGS, _prune_packing, pack_heads
 
     assert [pack_heads(16, True, g) for g in (1, 2, 3, 4)] == [1, 2, 1, 4]
     assert pack_heads(16, False, 2) == 1
     packed = [c for c in _FWD_CONFIGS if c.kwargs.get("PACK")]
     assert packed and len(packed) < len(_FWD_CONFIGS)
-    kv = {"k_ptr": bnhd(1, 1, 20, 16, torch.float32, 0), "v_ptr": bnhd(1, 1, 20, 16, torch.float32, 1)}
-    assert _pruner("fwd")(_FWD_CONFIGS, kv, GROUP=1) == [c for c in _FWD_CONFIGS if c not in packed]
-    assert _pruner("fwd")(_FWD_CONFIGS, kv, GROUP=3) == [c for c in _FWD_CONFIGS if c not in packed]
-    assert _pruner("fwd")(_FWD_CONFIGS, kv, GROUP=2) == _FWD_CONFIGS
+    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=1) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=3) == [c for c in _FWD_CONFIGS if c not in packed]
+    assert _prune_packing(_FWD_CONFIGS, {}, GROUP=2) == _FWD_CONFIGS
     # a GROUP that does not divide the tile falls back to one head per program (same values, plain grid)
     q, kv = bnhd(1, 3, 20, 16, torch.float32, 40), bnhd(1, 1, 20, 16, torch.float32, 41)
     o, _ = attention_fwd(q, kv, kv, blocks=dict(BLOCKS, PACK=True))
@@ -455,19 +454,39 @@ def test_persistent_grid_walks_every_tile(monkeypatch):
         assert rel_err(o, o_default) < ATTN_TOL[torch.float32][0]
 
 
-def test_tma_needs_aligned_heads():
-    """TMA descriptors need 16-byte-aligned heads: a K/V tensor that starts 4 bytes off is refused when the tiles
-    are pinned with TMA (a clear error), and the autotuner drops its TMA configurations (the cp.async ones stay)."""
-    from kernels.attention_triton import _FWD_CONFIGS, _pruner, tma_usable
+def test_tma_needs_aligned_heads(monkeypatch):
+    """TMA descriptors need 16-byte-aligned heads: a K/V tensor that starts 4 bytes off (or broadcasts with a zero
+    stride) is refused when the tiles are pinned with TMA (a clear error), and every launch on such tensors goes to
+    the autotuner without TMA configurations, whatever an earlier launch on aligned tensors of the same shape
+    chose (the autotuner's cache key does not see alignment)."""
+    import kernels.attention_triton as at
 
     q, k = bnhd(1, 2, 20, 16, torch.float32, 50), bnhd(1, 2, 20, 16, torch.float32, 51)
     shifted = torch.randn(1 * 20 * 2 * 16 + 1, device=DEVICE)[1:].view(1, 20, 2, 16).transpose(1, 2)
-    assert tma_usable(k, k) and not tma_usable(k, shifted)
+    broadcast = k[:, :1].expand(1, 2, 20, 16)
+    assert at.tma_usable(k, k) and not at.tma_usable(k, shifted) and not at.tma_usable(k, broadcast)
     with pytest.raises(ValueError, match="TMA"):
         attention_fwd(q, k, shifted, blocks=dict(BLOCKS, TMA=True))
-    kept = _pruner("fwd")(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": shifted}, GROUP=1)
-    assert kept and not any(c.kwargs["TMA"] for c in kept)
-    assert any(c.kwargs["TMA"] for c in _pruner("fwd")(_FWD_CONFIGS, {"k_ptr": k, "v_ptr": k}, GROUP=1))
+    for fp32 in (False, True):
+        for name in ("fwd", "dq", "dkdv"):
+            assert not any(c.kwargs["TMA"] for c in at._TUNED[name, fp32, False].configs)
+    assert any(c.kwargs["TMA"] for c in at._TUNED["fwd", False, True].configs)
+    # which autotuner a (pretend) CUDA launch uses: the one without TMA for the shifted K/V, each time
+    chosen = []
+
+    class Launchers(dict):
+        def __getitem__(self, key):
+            chosen.append(key)
+            return {None: lambda *args, **kwargs: None}
+
+    monkeypatch.setattr(at, "compiled_for_gpu", lambda t: True)
+    monkeypatch.setattr(at, "_has_tma_engine", lambda t: True)
+    monkeypatch.setattr(at, "_ensure_allocator", lambda: None)
+    monkeypatch.setattr(at, "_TUNED", Launchers())
+    for v in (k, shifted, k):
+        at._launch(at._attn_fwd_kernel, "fwd", None, (q, k, v), {}, None)
+    assert chosen == [("fwd", True, True), ("fwd", True, False), ("fwd", True, True)]
+    monkeypatch.undo()
     o, _ = attention_fwd(q, k, shifted, blocks=BLOCKS)  # the pointer path reads it
     assert rel_err(o, attention_reference(q.double(), k.double(), shifted.double())) < ATTN_TOL[torch.float32][0]
 
