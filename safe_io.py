@@ -76,9 +76,8 @@ def staging_folder(destination: Path, prefix: str, last: tuple[str, ...] = ()):
     staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=destination))
     try:
         yield staging
-        staged = sorted(staging.iterdir(), key=lambda item: (item.name in last, last.index(item.name)
-                                                              if item.name in last else 0, item.name))
-        for item in staged:
+        order = {name: rank for rank, name in enumerate(last, start=1)}  # the others first (rank 0), by name
+        for item in sorted(staging.iterdir(), key=lambda item: (order.get(item.name, 0), item.name)):
             os.replace(item, destination / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

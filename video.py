@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -308,8 +307,7 @@ class VideoRun:
             try:
                 image, people = formats.read_pose_json(pose)
             except ValueError as error:
-                print(f"warning: {error}; running frame {self.index[item]} of {self.clip.path} again",
-                      file=sys.stderr)
+                self.progress.note(f"warning: {error}; running frame {self.index[item]} of {self.clip.path} again")
                 return False
             if self.tracker is not None:
                 self.tracker.restore(self.index[item], people)

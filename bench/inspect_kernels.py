@@ -422,8 +422,7 @@ def format_row(r) -> str:
     kv = f"{r['kv_bytes_total'] / 1e9:.2f}" if "kv_bytes_total" in r else ""
     spill = (r["spill_store_bytes"] or 0) + (r["spill_load_bytes"] or 0)
     cells = [r["preset"], r["block"], r["name"], cfg, r["registers"], spill, r["shared_bytes"], r["ctas_per_sm"],
-             r["hgmma"],
-             f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"],
+             r["hgmma"], f"{r['ldl']}/{r['stl']}", r["ldg_16bit"], r["ldg_128bit"], r["ldgsts"], r["utmaldg"],
              f"{r['loop_ex2_under_wgmma']}/{r['loop_ex2']}" if r["loop_ex2"] else "", kv]
     return "  ".join(str(v).ljust(w) for v, (_, w) in zip(cells, COLUMNS))
 

@@ -281,9 +281,7 @@ class Recorder:
         self.save()
 
     def save(self):
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text(safe_io.json_text({**self.info, "rows": self.rows}, indent=1) + "\n")
-        tmp.replace(self.out)
+        safe_io.atomic_write(self.out, safe_io.json_text({**self.info, "rows": self.rows}, indent=1) + "\n")
 
 
 def print_table(rows):

@@ -50,8 +50,9 @@ SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTE
 Not done here (unmeasured without a GPU; see kernels/README.md): Triton's automatic warp specialization
 (tl.range(warp_specialize=True)) does not apply on sm_90 in triton 3.9 (with 8 warps the SASS is unchanged; with
 4 warps the pass fails to compile), so there is no producer warpgroup or ping-pong of two consumer warpgroups
-(r128, two programs per SM, is the nearest thing). The backward has OVERLAP and TMA variants too (autotuned, see the configurations), no
-POLY_EXP2 (its exp2s are a smaller share of its work: 3 or 4 MMAs per tile of exp2s instead of 2).
+(r128, two programs per SM, is the nearest thing). The backward has OVERLAP and TMA variants too (autotuned, see
+the configurations), no POLY_EXP2 (its exp2s are a smaller share of its work: 3 or 4 MMAs per tile of exp2s
+instead of 2).
 """
 
 import math
@@ -207,7 +208,7 @@ def _attn_fwd_kernel(
     lse_ptr,  # (B * Hq, N) fp32: base-2 log-sum-exp of the scaled scores, for the backward
     N, HQ, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    BH,  # B * Hq
+    BH,  # B * Hq (the batch size is BH // HQ)
     GROUP: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -590,7 +591,7 @@ def _attn_bwd_dq_kernel(
     N, HQ, GROUP, scale, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
     sdqb, sdqh, sdqn, sdqd,
-    BH,  # B * Hq; only an autotuning key
+    BH,  # B * Hq (the batch size is BH // HQ)
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,  # load K/V tiles through tensor descriptors
