@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 import heads
 import processing
@@ -448,7 +447,7 @@ def write_checkpoint_files(tmp: Path, model, model_state, optimizer_state, rng, 
     for r, states in enumerate(rng):
         for i, state in enumerate(states):
             tensors[f"rng/{r}/{i}"] = state.cpu()
-    save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"step": str(step)})
+    weights.save_safetensors(tensors, tmp / OPTIMIZER_FILE, {"step": str(step)})
     state = {"step": step, "global_batch": global_batch, "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
              "param_groups": groups, "info": info, "torch": torch.__version__}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -463,7 +462,7 @@ def load_training_state(out: Path, model, optimizer, dist_info: Distributed) -> 
     broadcast = isinstance(model, fsdp2()[1]) and dist_info.world > 1
     with safe_open(str(out / OPTIMIZER_FILE), "pt") as f:
         wanted = [k for k in f.keys() if dist_info.main or not broadcast or k.startswith("rng/")]
-        tensors = {k: f.get_tensor(k) for k in wanted}
+        tensors = {k: weights.aligned(f.get_tensor(k)) for k in wanted}  # as the uninterrupted run's
     saved_step = json.loads((out / "config.json").read_text()).get("sapiens2_training", {}).get("step")
     if saved_step != step:
         raise ModelError(f"{out}: model.safetensors is from step {saved_step}, {STATE_FILE} from step {step} (a save "

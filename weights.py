@@ -219,15 +219,26 @@ def head_from_original(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
 # ----------------------------------------------------------------------------------------------------
 
 
+ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every new tensor
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied if it does not start on an ALIGNMENT boundary. safetensors hands out tensors where they lie
+    in the file (8-byte aligned at best), and a BLAS may take another code path, with another summation order, on
+    data aligned otherwise (MKL does: a model loaded from a file computed other last bits than the same weights
+    in new memory): a loaded model computes what the same model built in memory computes, bit for bit."""
+    return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
+
+
 def read_safetensors(path: str | Path, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors and the metadata of one .safetensors file, with an error that names the file.
     Floating tensors are cast to `dtype` one at a time as they are read, so a 5b fp32 file loaded in
-    bf16 never holds both copies in memory."""
+    bf16 never holds both copies in memory; every tensor comes back aligned (see `aligned`)."""
     path = Path(path)
     cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t  # noqa: E731
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: cast(f.get_tensor(k)) for k in f.keys()}, dict(f.metadata() or {})
+            return {k: aligned(cast(f.get_tensor(k))) for k in f.keys()}, dict(f.metadata() or {})
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
@@ -1053,6 +1064,31 @@ def _preset(name: str) -> tuple[str, HeadConfig | None]:
     raise ValueError(f"unknown preset {name!r}; backbones: {', '.join(PRESETS)}; tasks: {', '.join(TASK_PRESETS)}")
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc), else set-and-restore."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file (the umask read at each call: a process may change it)."""
+    return 0o666 & ~current_umask()
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None):
+    """safetensors' save_file with the usual mode: save_file creates its files 0600 (through a private temporary),
+    which would keep colleagues on a shared machine from reading a saved model."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, new_file_mode())
+
+
 def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
     """Write `model` (a backbone or a task model) as safetensors.
 
@@ -1095,9 +1131,9 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
     path = Path(path)
     if path.suffix == ".safetensors":
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({**state, **head}, str(path), metadata=metadata)
+        save_safetensors({**state, **head}, path, metadata)
     else:
         path.mkdir(parents=True, exist_ok=True)
-        save_file({**state, **head}, str(path / "model.safetensors"), metadata=metadata)
+        save_safetensors({**state, **head}, path / "model.safetensors", metadata)
         (path / "config.json").write_text(json.dumps(hf_config, indent=2, allow_nan=False))
     return path
