@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 import processing
-from metadata import DATA_DIR, keypoint_metadata
+from metadata import keypoint_metadata, read_data
 
 OPENPOSE_VERSION = 1.3  # the layout below: people[] with person_id and the *_keypoints_2d / *_3d arrays
 OPENPOSE_PARTS = ("pose_keypoints_2d", "face_keypoints_2d", "hand_left_keypoints_2d", "hand_right_keypoints_2d")
@@ -83,7 +83,7 @@ def openpose_table(names: tuple[str, ...] | None = None) -> dict[str, list[list[
     """data/openpose.json as indices: per OpenPose part, per point, the keypoint indices it is the mean of
     (empty: Sapiens2 has no such point). An unknown name is an error naming it. `names`: a model's own keypoint
     set (None: the 308), indexed by name; a point whose sources it lacks is empty (written as 0, 0, 0)."""
-    table = json.loads((DATA_DIR / "openpose.json").read_text())
+    table = read_data("openpose.json")
     index = {name: i for i, name in enumerate(keypoint_metadata()["keypoint_names"])}
     own = index if names is None else {name: i for i, name in enumerate(names)}
     parts = {}

@@ -45,6 +45,7 @@ from PIL import Image, ImageDraw, ImageFont
 import detect
 import formats
 import heads
+import metadata
 import processing
 import tracking
 import video
@@ -1275,6 +1276,10 @@ def run(args, argv: list[str]) -> int:
     """Check everything that can be checked (arguments, environment, inputs, OUT) before loading a model."""
     start = time.perf_counter()
     tasks, out = parse_tasks(args.task), Path(args.output)
+    try:
+        metadata.check_data_files()  # an incomplete installation stops here, not on every image after the models load
+    except metadata.MissingDataError as error:
+        raise UsageError(str(error)) from None
     coco = "coco" in args.save and "pose" in tasks
     if not coco and not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
         raise UsageError(f"--save {','.join(sorted(args.save))} writes nothing for {','.join(tasks)}")

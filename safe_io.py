@@ -24,27 +24,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import save_file
+
+from weights import new_file_mode, save_safetensors
 
 # Write errors that the next file will hit too: the caller stops or narrows the run rather than fail file by file.
 REPEATING_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 FOLDER_WRITE_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM}  # may concern one folder (or file) only
 
 
-def current_umask() -> int:
-    """The process umask, read without changing it where Linux shows it (/proc), else set-and-restore."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-UMASK = current_umask()
 
 
 def atomic_write(path: Path, value):
@@ -57,7 +44,7 @@ def atomic_write(path: Path, value):
         with open(temp, "xb"):  # exclusive: fails rather than share a name
             pass
         write_value(temp, value, path.suffix)
-        os.chmod(temp, 0o666 & ~UMASK)  # safetensors writes its files 0600: every output gets the usual mode
+        os.chmod(temp, new_file_mode())  # mkstemp-like modes nowhere: every output gets the umask's mode
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # a read-only file system refuses even that; the write error matters
@@ -136,7 +123,7 @@ def write_value(file: Path, value, suffix: str):
             np.save(f, value)
     elif suffix == ".safetensors":
         tensors, metadata = value
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata)
+        save_safetensors({k: v.contiguous() for k, v in tensors.items()}, file, metadata)
     elif suffix == ".jpg":
         value.save(file, format="JPEG", quality=90)
     else:

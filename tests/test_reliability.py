@@ -723,4 +723,4 @@ def test_outputs_get_the_usual_file_mode(tmp_path):
     safe_io.atomic_write(tmp_path / "a.features.safetensors", tensors)  # safetensors alone writes 0600
     safe_io.atomic_write(tmp_path / "a.pose.json", {"a": 1})
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
-    assert modes == {"a.features.safetensors": 0o666 & ~safe_io.UMASK, "a.pose.json": 0o666 & ~safe_io.UMASK}
+    assert modes == {"a.features.safetensors": weights.new_file_mode(), "a.pose.json": weights.new_file_mode()}

@@ -1,0 +1,75 @@
+"""A non-editable `pip install .`: the wheel carries the data files, and a command run from the installation (not
+from the checkout) finds them; an installation that lost one stops before any model loads, naming the file."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from metadata import DATA_FILES
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("setuptools")  # the wheel is built without build isolation (no network needed)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The project built into a wheel from a copy of the checkout (so nothing is written into it) and installed
+    with pip into a folder of its own."""
+    tmp = tmp_path_factory.mktemp("install")
+    source = tmp / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "tests", "bench", "build", "*.egg-info",
+                                                                "__pycache__", "demo_out", "assets"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(source)],
+                   check=True, cwd=tmp)
+    wheel, = (tmp / "dist").glob("sapiens2-*.whl")
+    site = tmp / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, cwd=tmp)
+    return site
+
+
+def run_installed(site: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
+    """python with only the installation on the path (run from a folder outside the checkout)."""
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_wheel_installs_the_data_files(installed, tmp_path):
+    assert sorted(p.name for p in (installed / "sapiens2_data").glob("*.json")) == sorted(DATA_FILES)
+    check = ("import metadata, formats; from pathlib import Path; "
+             "print(metadata.DATA_DIR); print(len(metadata.keypoint_metadata()['keypoint_names']), "
+             "len(metadata.segmentation_metadata()['class_names']), len(formats.openpose_table()))")
+    done = run_installed(installed, "-c", check, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    data_dir, counts = done.stdout.splitlines()
+    assert Path(data_dir) == installed / "sapiens2_data"
+    assert counts == "308 29 4"
+
+
+def test_installed_predict_runs_from_elsewhere(installed, tmp_path):
+    Image.fromarray(np.full((40, 30, 3), 128, np.uint8)).save(tmp_path / "photo.png")
+    done = run_installed(installed, "-m", "predict", "seg", "photo.png", "-o", "out", "--random-init", "always",
+                         "--random-backbone", "0.1b", "--size", "64x48", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "photo.seg.png").is_file()
+
+
+def test_a_missing_data_file_stops_before_any_model_loads(installed, tmp_path):
+    broken = tmp_path / "site"
+    shutil.copytree(installed, broken)
+    (broken / "sapiens2_data" / "seg29.json").unlink()
+    Image.fromarray(np.full((40, 30, 3), 128, np.uint8)).save(tmp_path / "photo.png")
+    done = run_installed(broken, "-m", "predict", "seg", "photo.png", "-o", "out", "--random-init", "always",
+                         "--random-backbone", "0.1b", "--size", "64x48", cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "seg29.json" in lines[0], done.stderr
+    assert "installation is incomplete" in lines[0] and "RANDOM" not in done.stderr  # no model was built
+    assert not (tmp_path / "out").exists()
