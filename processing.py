@@ -995,6 +995,52 @@ def _apply_mask(rgb: torch.Tensor, mask: torch.Tensor | None, background) -> tor
     return torch.where(mask.bool().to(rgb.device), rgb, fill)
 
 
+# --- attention maps (Sapiens2.forward(..., attentions=[block, ...])) --------------------------------------------
+def attention_grid(attention: torch.Tensor, grid_size: tuple[int, int], query: int = 0,
+                   average_heads: bool = True) -> torch.Tensor:
+    """One query token's attention over the patches, as a patch grid, in float32.
+
+    attention: `(..., heads, N, N)` probabilities of one block (`out.attentions[i]`, or one image of it), rows
+    queries, columns keys, tokens [CLS, R registers, h*w patches]. grid_size: `(h, w)`, `out.features.shape[-2:]`.
+    query: the row, 0 = CLS, 1..R = a register (any token index, negative from the end, works).
+    Returns `(..., h, w)`, the mean over heads, or `(..., heads, h, w)` with `average_heads=False`. The keys of
+    the prefix tokens are left out, so a map sums to at most 1.
+    """
+    h, w = grid_size
+    num_tokens = attention.shape[-1]
+    if attention.dim() < 3 or attention.shape[-2] != num_tokens or h * w > num_tokens:
+        raise ValueError(f"attention of shape {tuple(attention.shape)} is not (..., heads, N, N) with N >= "
+                         f"{h}*{w} tokens (grid_size {tuple(grid_size)})")
+    if not -num_tokens <= query < num_tokens:
+        raise IndexError(f"query token {query} does not exist; the attention has {num_tokens} tokens")
+    row = attention[..., query, num_tokens - h * w:].float()  # (..., heads, h*w): the patch keys
+    return (row.mean(-2) if average_heads else row).unflatten(-1, (h, w))
+
+
+def attention_to_image(grid: torch.Tensor, image=None, opacity: float = 0.6, size: tuple[int, int] | None = None
+                       ) -> Image.Image:
+    """An `(h, w)` attention map (`attention_grid`) as a Turbo heat map, min blue to max red, as a PIL image.
+
+    With `image` (anything `load_image` reads), the map is resized bilinearly to the image and blended over it,
+    `(1 - opacity) * image + opacity * colour`, rounded; the map is taken to cover the whole image, as the model
+    input of `preprocess` without padding does (for `pad=True`, crop the grid to the content first). Without
+    `image`, the heat map alone at `size` (default: 16 pixels a cell).
+    """
+    if grid.dim() != 2:
+        raise ValueError(f"attention map of shape {tuple(grid.shape)} is not (h, w); pick a head or average them")
+    if not 0 <= opacity <= 1:
+        raise ValueError(f"opacity must be in [0, 1], got {opacity}")
+    picture = load_image(image).float() if image is not None else None
+    size = tuple(picture.shape[-2:]) if picture is not None else tuple(size or (16 * grid.shape[0], 16 * grid.shape[1]))
+    low, high = grid.float().min(), grid.float().max()
+    scaled = (grid.float() - low) / (high - low).clamp(min=1e-12)  # [0, 1]; a constant map is all blue
+    colour = turbo_colormap(_resize_map(scaled[None, None], size)[0, 0])
+    if picture is None:
+        return to_pil(colour)
+    blended = (1 - opacity) * picture.to(colour.device) + opacity * colour.float()
+    return to_pil(blended.round().clamp(0, 255).to(torch.uint8))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------------------------------------------

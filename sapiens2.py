@@ -349,8 +349,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.gamma = LayerScale(dim, layer_scale) if layer_scale is not None else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x (B, N, C); rope = (cos, sin) tables (P, D) for the last P tokens (main blocks only)."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, keep_probs: bool = False):
+        """x (B, N, C); rope = (cos, sin) tables (P, D) for the last P tokens (main blocks only).
+        -> (output (B, N, C), the attention probabilities (B, Hq, N, N) if keep_probs else None)."""
         B, N, C = x.shape
         D = self.head_dim
         q = self.wq(x).view(B, N, self.num_heads, D).transpose(1, 2)  # (B, Hq, N, D)
@@ -363,9 +364,10 @@ class Attention(nn.Module):
         # when the two diverge).
         if self.q_norm is not None:
             q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, *rope, eps=self.eps)
-        o = kernels.attention(q, k, v)  # (B, Hq, N, D)
+        # Probabilities asked for: the formula written out (an N x N matrix per head) instead of the fused kernel.
+        o, probs = kernels.attention_with_probs(q, k, v) if keep_probs else (kernels.attention(q, k, v), None)
         o = self.proj(o.transpose(1, 2).reshape(B, N, C))  # merge heads head-major: (B, N, Hq*D)
-        return self.gamma(o) if self.gamma is not None else o
+        return (self.gamma(o) if self.gamma is not None else o), probs
 
 
 class SwiGLU(nn.Module):
@@ -419,9 +421,12 @@ class Block(nn.Module):
         self.ffn = SwiGLU(C, config.hidden_dim, config.hidden_act) if main else SwiGLU(C, config.tokenizer_hidden_dim)
         self.drop_path = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.ln1(x), rope))
-        return x + self.drop_path(self.ffn(self.ln2(x)))
+    def forward(self, x: torch.Tensor, rope=None, keep_attention: bool = False):
+        """x (B, N, C) -> x; with keep_attention (x, attention probabilities (B, heads, N, N))."""
+        attn, probs = self.attn(self.ln1(x), rope, keep_attention)
+        x = x + self.drop_path(attn)
+        x = x + self.drop_path(self.ffn(self.ln2(x)))
+        return (x, probs) if keep_attention else x
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -471,15 +476,22 @@ class Sapiens2Output:
     tokens:   (B, 1+R+h*w, C) every token (CLS, R registers, patches) after the final norm
     cls:      (B, C) the CLS token after the final norm (what HF calls pooler_output)
     features: (B, C, h, w) the patch tokens after the final norm, as a map (what the task heads take)
-    layers:   one (B, C, h, w) map per requested block (`layers=` in forward), normalized by the final
+    layers:   one (B, C, h, w) map per entry of `layers=` in forward, in its order, normalized by the final
               norm only if `normalize_layers=True` (the original returns them raw; HF's Sapiens2Backbone
               normalizes by default)
+    layer_cls, layer_registers: those blocks' CLS (B, C) and registers (B, R, C), normalized alike: with
+              `layers`, each requested block's whole token sequence
+    attentions: {block index, from 0: (B, heads, N, N)} the attention probabilities of the blocks named by
+              `attentions=` in forward (rows: queries, columns: keys; tokens in the order of `tokens`)
     """
 
     tokens: torch.Tensor
     cls: torch.Tensor
     features: torch.Tensor
     layers: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    layer_cls: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    layer_registers: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    attentions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def registers(self) -> torch.Tensor:
@@ -549,34 +561,48 @@ class Sapiens2(nn.Module):
         prefix = torch.cat([self.cls_token, self.storage_tokens], dim=1).to(x.dtype).expand(B, -1, -1)
         return torch.cat([prefix, x], dim=1), h, w
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        layers: Sequence[int] = (),
-        normalize_layers: bool = False,
-        mask: torch.Tensor | None = None,
-    ) -> Sapiens2Output:
+    def forward(self, pixel_values: torch.Tensor, layers: Sequence[int] = (), normalize_layers: bool = False,
+                mask: torch.Tensor | None = None, attentions: Sequence[int] = ()) -> Sapiens2Output:
         """pixel_values (B, 3, H, W), normalized, H and W multiples of config.size_multiple.
 
-        layers: block indices (0-based, negative counts from the end) whose outputs to return as maps.
-        mask:   (B, h*w) bool, patches to replace by the mask token (masked-image pretraining).
+        layers:     blocks whose outputs to return (out.layers, out.layer_cls, out.layer_registers).
+        mask:       (B, h*w) bool, patches to replace by the mask token (masked-image pretraining).
+        attentions: blocks whose attention probabilities to return (out.attentions), computed explicitly (an
+                    N x N matrix per head) there only; main blocks only, not the 4K tokenizer's.
+        Blocks are indexed as a Python list: 0..depth-1, or -depth..-1 from the end (-1 = the last block).
         """
+        layers = block_indices(layers, self.config.depth, "layers")
+        keep_attention = set(block_indices(attentions, self.config.depth, "attentions"))
         x, h, w = self.embed(pixel_values, mask)
         rope = self.rope_embed(h, w, x.device, x.dtype)
-        wanted = {i % self.config.depth for i in layers}
-        captured = {}
+        captured, probs = {}, {}
         for i, block in enumerate(self.blocks):
-            x = block(x, rope)
-            if i in wanted:
+            if i in keep_attention:
+                x, probs[i] = block(x, rope, keep_attention=True)
+            else:
+                x = block(x, rope)
+            if i in layers:
                 captured[i] = self.ln1(x) if normalize_layers else x
         x = self.ln1(x)
         prefix = self.config.num_prefix_tokens
+        kept = [captured[i] for i in layers]
         return Sapiens2Output(
             tokens=x,
             cls=x[:, 0],
             features=tokens_to_map(x[:, prefix:], h, w),
-            layers=tuple(tokens_to_map(captured[i % self.config.depth][:, prefix:], h, w) for i in layers),
+            layers=tuple(tokens_to_map(t[:, prefix:], h, w) for t in kept),
+            layer_cls=tuple(t[:, 0] for t in kept),
+            layer_registers=tuple(t[:, 1:prefix] for t in kept),
+            attentions=probs,
         )
+
+
+def block_indices(indices: Sequence[int], depth: int, argument: str) -> list[int]:
+    """Block indices as a Python list takes them (negative from the end), as 0..depth-1."""
+    if wrong := [i for i in indices if not -depth <= i < depth]:
+        raise IndexError(f"{argument}: block {wrong[0]} does not exist; this model has {depth} blocks "
+                         f"(0..{depth - 1}, or {-depth}..-1)")
+    return [range(depth)[i] for i in indices]  # (range, not i % depth: a float index is a TypeError)
 
 
 def tokens_to_map(patch_tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:

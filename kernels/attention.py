@@ -15,15 +15,34 @@ import torch.nn.functional as F
 from .dispatch import case_key, use_triton
 
 
+def query_heads_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
+    """r = Hq / Hkv, the query heads each key/value head serves (an error unless Hkv divides Hq)."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     """The definition of attention, through PyTorch SDPA (its math is the formula in the module docstring).
     With enable_gqa, SDPA pairs query head h with key/value head h // r itself: the grouping of
     repeat_interleave, without materializing the repeated K and V (r times their memory). Checked against
     the explicit formula in tests/test_kernels.py."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=num_kv_heads != num_heads)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=query_heads_per_kv_head(q, k) > 1)
+
+
+def attention_with_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+    """The formula of the module docstring written out, for looking at the attention: (o, p) with
+    p = softmax(q k^T * scale) (B, Hq, N, N), K and V repeated per query head (repeat_interleave), the
+    softmax in fp32 (or wider) and p rounded to q's dtype, as transformers' eager attention. It holds an
+    N x N matrix per head and image, which the fused kernels never do: a plain-PyTorch path, for the
+    blocks whose attention is inspected (Sapiens2.forward(attentions=...))."""
+    r = query_heads_per_kv_head(q, k)
+    k, v = (t.repeat_interleave(r, dim=1) for t in (k, v))  # (B, Hq, N, D)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16/fp16, fp64 stays fp64
+    p = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
+    return p @ v, p
 
 
 def _attention_triton(q, k, v, scale):

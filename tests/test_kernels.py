@@ -250,6 +250,22 @@ ATTN_CASES = [  # (dtype, D, B, Hq, Hkv, N)
 ATTN_TOL = {torch.float32: (2e-5, 5e-5), torch.bfloat16: (2.5e-2, 4e-2), torch.float16: (2e-3, 4e-3)}
 
 
+@pytest.mark.parametrize("HQ,HKV", [(4, 4), (4, 2), (8, 1)])
+def test_attention_with_probs_is_the_reference_and_its_softmax(HQ, HKV):
+    """o equals the reference (SDPA) and p is softmax(q k^T * scale) with K repeated per query head, fp64."""
+    B, N, D = 2, 23, 16
+    q, k, v = (torch.randn(B, h, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(h + i))
+               for i, h in enumerate((HQ, HKV, HKV)))
+    o, p = kernels.attention_with_probs(q, k, v, scale=0.3)
+    assert rel_err(o, attention_reference(q, k, v, scale=0.3)) < 1e-12  # fp64: summation order only
+    kr = k.repeat_interleave(HQ // HKV, dim=1)
+    assert p.shape == (B, HQ, N, N) and rel_err(p, torch.softmax(q @ kr.transpose(-1, -2) * 0.3, dim=-1)) < 1e-12
+    _, p_default = kernels.attention_with_probs(q, k, v)
+    assert rel_err(p_default, torch.softmax(q @ kr.transpose(-1, -2) * D ** -0.5, dim=-1)) < 1e-12
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        kernels.attention_with_probs(q, k[:, :1].expand(B, 3, N, D), v[:, :1].expand(B, 3, N, D))
+
+
 @pytest.mark.parametrize("HQ,HKV", [(4, 4), (4, 2), (8, 2)])
 def test_attention_reference_is_the_formula(HQ, HKV):
     """The reference (SDPA with enable_gqa) against softmax(q k^T * scale) v written out, with K and V

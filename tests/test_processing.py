@@ -652,6 +652,36 @@ def test_normal_and_depth_images():
     assert middle == [163, 253, 60]  # published Turbo[128] is (164, 252, 60), within our 2-level bound
 
 
+def test_attention_grid_takes_a_query_row_over_the_patch_keys():
+    """Tokens [CLS, 2 registers, 2x3 patches]; row `query`, the last 6 columns, as a 2x3 grid."""
+    attention = torch.rand(2, 4, 9, 9)  # (B, heads, N, N)
+    per_head = P.attention_grid(attention, (2, 3), query=2, average_heads=False)
+    assert per_head.shape == (2, 4, 2, 3) and per_head.dtype == torch.float32
+    assert per_head[1, 3, 1, 0].item() == attention[1, 3, 2, 3 + 3].item()  # key patch (1, 0) = token 3 + 3
+    averaged = P.attention_grid(attention[0], (2, 3))  # one image, the CLS row
+    assert averaged.shape == (2, 3)
+    assert torch.allclose(averaged, attention[0, :, 0, 3:].mean(0).view(2, 3), rtol=0, atol=1e-7)  # fp32 mean of 4
+    with pytest.raises(ValueError, match=r"not \(\.\.\., heads, N, N\)"):
+        P.attention_grid(attention, (3, 4))  # 12 patches > 9 tokens
+    with pytest.raises(IndexError, match="query token 9 does not exist"):
+        P.attention_grid(attention, (2, 3), query=9)
+
+
+def test_attention_to_image_colours_the_map_and_blends_it_over_the_image():
+    grid = torch.zeros(2, 3)
+    grid[1, 2] = 0.5  # the hottest patch: bottom right
+    alone = P.attention_to_image(grid)
+    assert alone.size == (48, 32)  # 16 pixels a cell; PIL sizes are (width, height)
+    assert alone.getpixel((40, 24)) == (122, 4, 3) and alone.getpixel((8, 8)) == (48, 18, 59)  # Turbo's ends
+    image = torch.full((3, 20, 30), 100, dtype=torch.uint8)
+    blended = P.attention_to_image(grid, image, opacity=0.25)
+    assert blended.size == (30, 20)
+    assert blended.getpixel((0, 0)) == tuple(round(0.75 * 100 + 0.25 * c) for c in (48, 18, 59))
+    assert P.attention_to_image(grid, image, opacity=0.0).getpixel((29, 19)) == (100, 100, 100)
+    with pytest.raises(ValueError, match="not \\(h, w\\)"):
+        P.attention_to_image(torch.zeros(4, 2, 3))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------------------------------------------

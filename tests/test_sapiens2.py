@@ -9,11 +9,13 @@ Tolerances (max |ours - reference| / max |reference|):
 """
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import kernels
 from conftest import rel_err
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16, rope_tables_bf16
 
@@ -161,6 +163,118 @@ def test_outputs_shapes_and_consistency():
     assert torch.equal(normed.layers[1], out.features)
     assert not torch.allclose(out.layers[1], out.features)  # un-normalized differs
     assert out.layers[0].shape == (2, 32, 3, 5)
+
+
+def test_block_indices_count_as_a_python_list_and_out_of_range_ones_raise():
+    """-1 is the last block; an index past either end names the depth instead of wrapping (23 % 12 == 11
+    used to return block 11 of a 12-block model for layers=[23])."""
+    model = Sapiens2(tiny_config()).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        out = model(x, layers=[3, -1, 0, -4])
+    assert torch.equal(out.layers[0], out.layers[1]) and torch.equal(out.layers[2], out.layers[3])
+    message = "block {} does not exist; this model has 4 blocks (0..3, or -4..-1)"
+    for argument, index in (("layers", 4), ("layers", -5), ("attentions", 7), ("attentions", -5)):
+        with pytest.raises(IndexError, match=re.escape(f"{argument}: " + message.format(index))):
+            model(x, **{argument: [0, index]})
+    with pytest.raises(TypeError):
+        model(x, layers=[1.0])
+    with torch.no_grad():
+        assert list(model(x, attentions=[-1, 2]).attentions) == [2, 3]  # normalized to 0..depth-1, in block order
+
+
+def run_blocks_by_hand(model, x):
+    """Every block's output token sequence (B, N, C), from the model's own pieces."""
+    tokens, h, w = model.embed(x)
+    rope = model.rope_embed(h, w, tokens.device, tokens.dtype)
+    outputs = []
+    for block in model.blocks:
+        tokens = block(tokens, rope)
+        outputs.append(tokens)
+    return outputs
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_layer_cls_and_registers_are_the_blocks_tokens(normalize):
+    model = Sapiens2(tiny_config()).eval()
+    x = torch.randn(2, 3, 48, 80)
+    wanted = [2, -1, 0, 2]
+    with torch.no_grad():
+        out = model(x, layers=wanted, normalize_layers=normalize)
+        by_hand = [model.ln1(t) if normalize else t for t in run_blocks_by_hand(model, x)]
+    assert len(out.layer_cls) == len(out.layer_registers) == len(out.layers) == len(wanted)
+    for i, cls, registers, patches in zip(wanted, out.layer_cls, out.layer_registers, out.layers, strict=True):
+        sequence = torch.cat([cls[:, None], registers, patches.flatten(2).transpose(1, 2)], dim=1)
+        assert cls.shape == (2, 32) and registers.shape == (2, 8, 32)
+        assert torch.equal(sequence, by_hand[i])  # the same ops in the same order: the same numbers
+    if normalize:  # the last block, normalized, is the final output
+        assert torch.equal(out.layer_cls[1], out.cls) and torch.equal(out.layer_registers[1], out.registers)
+
+
+def attention_test_model(**config):
+    """A tiny model with GQA in the middle block and LayerScale 1, so the attention branch counts."""
+    model = Sapiens2(tiny_config(depth=3, num_heads=4, gqa_kv_heads=2, rope_dtype="float32", **config)).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.gamma.weight.fill_(1.0)
+    assert model.config.layer_kv_heads == (4, 2, 4)
+    return model
+
+
+def test_attentions_are_the_formula_on_the_normalized_rotated_q_and_k():
+    model = attention_test_model()
+    x = torch.randn(2, 3, 48, 32)
+    with torch.no_grad():
+        out = model(x, attentions=[1, -1])
+        inputs = [model.embed(x)[0], *run_blocks_by_hand(model, x)]  # inputs[i]: what block i reads
+        rope = model.rope_embed(3, 2, x.device, x.dtype)
+        for i in (1, 2):
+            attn = model.blocks[i].attn
+            z = model.blocks[i].ln1(inputs[i])
+            B, N, _ = z.shape
+            q = attn.wq(z).view(B, N, 4, 8).transpose(1, 2)
+            k = attn.wk(z).view(B, N, attn.num_kv_heads, 8).transpose(1, 2)
+            q, k = kernels.qk_norm_rope_reference(q, k, attn.q_norm.weight, attn.k_norm.weight, *rope)
+            k = k.repeat_interleave(4 // attn.num_kv_heads, dim=1)
+            want = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+            assert out.attentions[i].shape == (2, 4, 1 + 8 + 6, 1 + 8 + 6)
+            # fp32, the same ops as the model's explicit path in the same order (measured 0.0); 1e-6 leaves
+            # room for a matmul blocked differently on another machine (a few ulps of logits of size ~1)
+            assert rel_err(out.attentions[i], want) < 1e-6
+    assert list(out.attentions) == [1, 2]
+    assert rel_err(out.attentions[1].sum(-1), torch.ones(2, 4, 15)) < 1e-6  # rows are distributions
+
+
+def test_attentions_leave_the_fused_kernel_to_the_other_blocks_and_the_block_outputs_alone(monkeypatch):
+    model = attention_test_model()
+    x = torch.randn(2, 3, 64, 48)
+    with torch.no_grad():
+        plain = model(x, layers=[0, 1, 2])
+        calls = {"attention": 0, "attention_with_probs": 0, "qk_norm_rope": 0}
+        for name in calls:
+            def counted(*args, _name=name, _original=getattr(kernels, name), **kwargs):
+                calls[_name] += 1
+                return _original(*args, **kwargs)
+            monkeypatch.setattr(kernels, name, counted)
+        inspected = model(x, layers=[0, 1, 2], attentions=[1])
+    assert calls == {"attention": 2, "attention_with_probs": 1, "qk_norm_rope": 3}
+    # Block 1 computes softmax(q k^T) v in one matmul chain, SDPA with an online softmax in blocks of keys:
+    # the same fp32 function up to summation order (measured ~6e-8); 1e-5 is the fp32 parity bound.
+    for with_probs, without in zip(inspected.layers, plain.layers, strict=True):
+        assert rel_err(with_probs, without) < 1e-5
+    assert torch.equal(inspected.layers[0], plain.layers[0])  # before block 1: untouched
+
+
+def test_attentions_of_the_4k_variant_are_the_main_blocks():
+    """The tokenizer's blocks keep the fused kernel and are not indexed; the main blocks see 1 + 8 + h*w tokens."""
+    model = attention_test_model(use_tokenizer=True, tokenizer_layers=1)
+    x = torch.randn(1, 3, 128, 64)
+    with torch.no_grad():
+        plain = model(x)
+        out = model(x, attentions=[0, -1])
+    assert list(out.attentions) == [0, 2] and out.features.shape[-2:] == (2, 1)
+    assert out.attentions[0].shape == (1, 4, 1 + 8 + 2, 1 + 8 + 2)
+    assert rel_err(out.tokens, plain.tokens) < 1e-5  # fp32 parity bound, as above
 
 
 def test_batch_items_are_independent():

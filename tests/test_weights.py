@@ -103,6 +103,28 @@ def test_parity_with_transformers_backbone(normalize, tmp_path):
         assert rel_err(out.features, expected[-1]) < HF_TOL
 
 
+@pytest.mark.parametrize("case", ["gqa-rule", "mixed-kv"])
+def test_attentions_match_transformers_eager_attentions(case, tmp_root):
+    """out.attentions against transformers' output_attentions (eager attention: the probabilities it
+    computes, softmax in fp32), per chosen block, GQA blocks included, fp32 RoPE (HF's convention)."""
+    _, directory = saved_hf_model(case, tmp_root)
+    hf = transformers.Sapiens2Model.from_pretrained(directory, attn_implementation="eager").eval()
+    ours = weights.load(directory, rope_dtype="float32")
+    depth, kv_heads = ours.config.depth, ours.config.layer_kv_heads
+    chosen = [0, -1] + [i for i in range(depth) if kv_heads[i] < ours.config.num_heads][:2]  # + GQA blocks
+    batch, height, width = HF_CASES[case][1]
+    x = torch.randn(batch, 3, height, width)
+    with torch.no_grad():
+        expected = hf(x, output_attentions=True).attentions  # one (B, heads, N, N) per block
+        out = ours(x, attentions=chosen)
+    assert len(expected) == depth and sorted(out.attentions) == sorted({i % depth for i in chosen})
+    for i, got in out.attentions.items():
+        tokens = 1 + 8 + (height // 16) * (width // 16)
+        assert got.shape == expected[i].shape == (batch, 4, tokens, tokens)
+        # HF_TOL (module docstring): the same fp32 ops on both sides, measured 0.0
+        assert rel_err(got, expected[i]) < HF_TOL, i
+
+
 def test_our_saves_load_in_transformers(tmp_root, tmp_path):
     hf, directory = saved_hf_model("gqa-rule", tmp_root)
     ours = weights.load(directory, rope_dtype="float32")

@@ -1,0 +1,49 @@
+"""README snippets that promise to run as written do: extracted from README.md and executed in order, in one
+namespace, in a scratch folder (offline: they make their own random checkpoint)."""
+
+import re
+
+import pytest
+import torch
+
+import kernels
+from conftest import ROOT
+
+
+def python_snippets(section_title: str) -> list[str]:
+    """The ```python blocks of the README section `## {section_title}...`, up to the next `## ` heading."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {section_title}")
+    end = text.find("\n## ", start + 1)
+    return re.findall(r"```python\n(.*?)```", text[start:end if end != -1 else None], re.S)
+
+
+@pytest.fixture
+def in_scratch_folder(tmp_path, monkeypatch):
+    """The repository's assets/ next to the snippets' outputs; kernels.attention restored after (a snippet swaps it)."""
+    (tmp_path / "assets").symlink_to(ROOT / "assets")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(kernels, "attention", kernels.attention)
+    return tmp_path
+
+
+def test_researcher_section_runs_as_written(in_scratch_folder):
+    snippets = python_snippets("For researchers")
+    assert len(snippets) == 2
+    names: dict = {}
+    exec(compile(snippets[0], "README.md: researchers, snippet 1", "exec"), names)
+    out = names["out"]  # the shapes its comments state
+    assert out.layers[0].shape == (1, 64, 16, 12) and out.layer_cls[0].shape == (1, 64)
+    assert out.layer_registers[0].shape == (1, 8, 64) and out.attentions[3].shape == (1, 4, 201, 201)
+    assert names["cls_map"].shape == (16, 12)
+    assert (in_scratch_folder / "cls_attention.png").is_file()
+
+    exec(compile(snippets[1], "README.md: researchers, snippet 2", "exec"), names)
+    assert kernels.attention is names["my_attention"] and names["features"].shape == (1, 64, 16, 12)
+    with torch.no_grad():  # block 2 skipped: the output is blocks 0, 1, 3 (the kept original blocks) alone
+        tokens, h, w = names["backbone"].embed(names["inputs"].pixel_values)
+        rope = names["backbone"].rope_embed(h, w, tokens.device, tokens.dtype)
+        for i in (0, 1, 3):
+            tokens = names["backbone"].blocks[i](tokens, rope)
+        expected = names["backbone"].ln1(tokens)[:, 9:]
+    assert torch.equal(names["features"].flatten(2).transpose(1, 2), expected)  # the same ops in the same order
