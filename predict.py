@@ -187,7 +187,11 @@ def glob_base(pattern: str) -> tuple[Path, str]:
 
 def read_list_file(path: Path, exclude: Path | None) -> list[InputImage]:
     """One image path (or folder) per line, relative to the list file's folder; blank lines and # comments skipped."""
-    lines = [line.strip() for line in path.read_text().splitlines()]
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines()]
+    except (OSError, UnicodeDecodeError) as error:
+        why = (error.strerror or str(error)) if isinstance(error, OSError) else "not a text file"
+        raise UsageError(f"{path}: cannot read this list of inputs ({why})") from None
     entries = [path.parent / line for line in lines if line and not line.startswith("#")]
     missing = [str(e) for e in entries if not e.exists()]
     if missing:
@@ -406,6 +410,21 @@ def parse_model_specs(specs: list[str]) -> tuple[str | None, dict[str, str]]:
             raise UsageError(f"--model {default} and --model {spec} both apply to every task; "
                              f"give one per task as TASK=SOURCE, e.g. --model seg={spec}")
     return default, per_task
+
+
+def check_model_sources(specs: list[str]):
+    """A --model name that names nothing (`sgm-0.4b`: a bare word that is no preset, hub id or file here) is refused
+    before any model loads, with the names that would do. A missing path (`x/m.safetensors`) is left to the
+    loader, which names it."""
+    default, per_task = parse_model_specs(specs)
+    named = ([] if default is None else [(default, default)]) + [(f"{t}={s}", s) for t, s in per_task.items()]
+    task_presets = ", ".join(f"{task}-{'/'.join(sizes)}" for task, sizes in heads.HEAD_TABLE.items())  # seg-0.4b/1b
+    for spec, source in named:
+        bare_word = Path(source).name == source and not source.endswith(".safetensors")
+        if bare_word and not Path(source).exists() and not looks_like_preset_or_hub_id(source):
+            raise UsageError(f"--model {spec}: no such file or folder, and not a model name; give a size "
+                             f"({', '.join(PRESETS)}), a task preset ({task_presets}), a "
+                             f".safetensors file, a checkpoint folder or a hub id (owner/name)")
 
 
 def model_source(task: str, default: str | None, per_task: dict[str, str]) -> str:
@@ -974,13 +993,20 @@ def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:
 def fail(ctx: Context, item: InputImage, failures: list[tuple[str | None, Exception]], progress: "Progress"):
     """Report an image's failures (task None: the whole image) on stderr and in the manifest."""
     for task, error in failures:
-        message = os_error_text(error) if isinstance(error, OSError) and error.errno else str(error)
-        message = f"{type(error).__name__}: {one_line(message)}"
-        ctx.errors.append({"image": str(item.path), **({"task": task} if task else {}), "error": message})
-        where = "" if str(item.path) in message else f"{item.path}: "
-        progress.note(f"error: {where}{f'{task}: ' if task else ''}{message} (skipped)")
+        entry, line = failure_report(item, task, error)
+        ctx.errors.append(entry)
+        progress.note(line)
     ctx.outcomes[item] = "failed"
     progress.advance(failed=True)
+
+
+def failure_report(item: InputImage, task: str | None, error: Exception) -> tuple[dict, str]:
+    """A failure as its run.json entry and its `error: ... (skipped)` line."""
+    message = os_error_text(error) if isinstance(error, OSError) and error.errno else str(error)
+    message = f"{type(error).__name__}: {one_line(message)}"
+    where = "" if str(item.path) in message else f"{item.path}: "
+    return ({"image": str(item.path), **({"task": task} if task else {}), "error": message},
+            f"error: {where}{f'{task}: ' if task else ''}{message} (skipped)")
 
 
 def one_line(message: str, limit: int = 600) -> str:
@@ -1275,6 +1301,7 @@ def run(args, argv: list[str]) -> int:
     """Check everything that can be checked (arguments, environment, inputs, OUT) before loading a model."""
     start = time.perf_counter()
     tasks, out = parse_tasks(args.task), Path(args.output)
+    check_model_sources(args.model)
     coco = "coco" in args.save and "pose" in tasks
     if not coco and not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
         raise UsageError(f"--save {','.join(sorted(args.save))} writes nothing for {','.join(tasks)}")
@@ -1287,9 +1314,13 @@ def run(args, argv: list[str]) -> int:
     items = collect_inputs(args.inputs, exclude=out.resolve())
     names = output_names(items)
     require_av_for(items)
+    mine, prefix = shard(items, rank, world), f"[rank {rank}/{world}] " if world > 1 else ""
+    unreadable = unreadable_inputs(mine, world)
     warnings = unmatched_boxes_warnings(args.boxes, boxes, items) + renamed_notes(names)
     for message in warnings:
         print(f"warning: {message}", file=sys.stderr)
+    for item, error in unreadable.items():  # reported before the models load; skipped as an image failing later is
+        print(prefix + failure_report(item, None, error)[1], file=sys.stderr)
     prepare_output_folder(out)
     detector = load_detector(args, tasks, device, dtype)  # before the models: its fallback needs seg
     models = load_models(args, tasks, device, dtype)
@@ -1303,21 +1334,21 @@ def run(args, argv: list[str]) -> int:
                   seg_boxes=detector is None and args.detector != "none",
                   coco=formats.CocoResults(args.coco_format, keypoint_names(models["pose"].model)) if coco else None,
                   resample=args.resample)
-    mine = shard(items, rank, world)
-    clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
+    readable = [item for item in mine if item not in unreadable]
+    clips, settings = [item for item in readable if video.is_video(item.path)], video_settings(args, ctx)
     if args.skip_existing and (removed := remove_stale_temporaries(out)):
         print(f"note: removed {removed} temporary files left in {out} by an earlier run that was killed",
               file=sys.stderr)
-    images = [item for item in mine if not video.is_video(item.path)]
+    images = [item for item in readable if not video.is_video(item.path)]
     todo = [item for item in images if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
+    record_unreadable(ctx, manifest, unreadable)
     manifest["timings_s"] = {"load_models": round(time.perf_counter() - start, 3)}
     path = manifest_path(out, rank, world)
     try:
         write_manifest(path, manifest, reserve=manifest_reserve(len(todo)))
     except OSError as error:
         raise UsageError(f"cannot write the manifest {path} ({os_error_text(error)})") from None
-    prefix = f"[rank {rank}/{world}] " if world > 1 else ""
     frames = sum(video.expected_frames(clip.path, settings.selection) for clip in clips)
     progress = Progress(len(todo) + frames, prefix, enabled=rank == 0 or not sys.stderr.isatty())
     ctx.note = progress.note
@@ -1419,6 +1450,34 @@ def check_size_fits(size: tuple[int, int] | None, models: dict[str, LoadedModel]
             h, w = config.image_size
             raise UsageError(f"--size {size[0]}x{size[1]}: the pointmap model's scale branch only works at the size "
                              f"it was built for, {h}x{w}; leave --size out or give that")
+
+
+def unreadable_inputs(items: list[InputImage], world: int) -> dict[InputImage, Exception]:
+    """This process's inputs that cannot be read, by their header (not an image, empty, not ours to read, not a
+    video), found before any model loads. When none of a single process's inputs can be read, nothing can run."""
+    unreadable = {}
+    for item in items:
+        try:
+            (video.check_video_file if video.is_video(item.path) else processing.check_image_file)(item.path)
+        except (OSError, ValueError) as error:
+            unreadable[item] = error
+    if unreadable and len(unreadable) == len(items) and world == 1:
+        reasons = [one_line(str(error)) for error in unreadable.values()]
+        what = reasons[0] if len(reasons) == 1 else (f"none of the {len(reasons)} inputs can be read: "
+                                                      + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else ""))
+        raise UsageError(f"{what}; inputs are images ({' '.join(sorted(IMAGE_SUFFIXES))}), videos, folders, globs "
+                         f"or .txt lists of them")
+    return unreadable
+
+
+def record_unreadable(ctx: Context, manifest: dict, unreadable: dict[InputImage, Exception]):
+    """The inputs unreadable_inputs found (reported then) in run.json, as failed images (a video: as failed videos)."""
+    for item, error in unreadable.items():
+        entry, _ = failure_report(item, None, error)
+        ctx.errors.append(entry)
+        ctx.outcomes[item] = "failed"
+        if video.is_video(item.path):
+            manifest.setdefault("videos", {})[item.relative] = {"error": entry["error"]}
 
 
 def require_av_for(items: list[InputImage]):
