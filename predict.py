@@ -457,8 +457,12 @@ def load_models(args, tasks: list[str], device, dtype) -> dict[str, LoadedModel]
 
 def load_detector(args, tasks: list[str], device, dtype) -> detect.PersonDetector | None:
     """The person detector for pose boxes (None with --boxes or --detector seg|none). When its weights cannot be
-    downloaded, say so and use the segmentation's blobs instead; a missing local file stays an error."""
+    downloaded, say so and use the segmentation's blobs instead; a missing local file stays an error. With
+    --random-init always nothing is loaded or downloaded: pose runs on the whole image (the banner says so)."""
     if "pose" not in tasks or args.boxes or args.detector in ("seg", "none"):
+        return None
+    if args.random_init == "always":
+        args.detector = "none"  # from here on, and in the manifest
         return None
     try:
         return detect.load(args.detector, dtype=dtype, device=device)
@@ -760,7 +764,7 @@ def infer(ctx: Context, items: list[InputImage], images: list[torch.Tensor]) -> 
 # ----------------------------------------------------------------------------------------------------
 def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loaded: LoadedModel) -> dict:
     value, mask = result[task], result["mask"] if task in MASKED_TASKS else None
-    vis = stamp_random if loaded.random else (lambda picture: picture)
+    vis = stamp_random if loaded.random else (lambda picture: picture)  # pictures only: raw files stay raw
     if task == "seg":
         classes = loaded.model.head_config.out_channels  # a fine-tune's own count: its own palette
         return {".seg.png": lambda: Image.fromarray(value.to(torch.uint8).numpy()),
@@ -783,12 +787,23 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
                 ".composite.jpg": lambda: vis(processing.to_pil(value["composite"]))}
     if task == "albedo":
         albedo = value if mask is None else value * mask
-        return {".albedo.png": lambda: vis(processing.to_pil(processing.albedo_to_uint8(albedo)))}
+        return {".albedo.png": lambda: processing.to_pil(processing.albedo_to_uint8(albedo))}  # the raw albedo
     if task == "features":
         about = {"image": item.relative, "height": str(image.shape[-2]), "width": str(image.shape[-1]),
-                 "model": loaded.source}
+                 "model": features_model(loaded), "random_weights": str(loaded.random).lower()}
         return {".features.safetensors": lambda: (value, about)}
     raise ValueError(f"unknown task {task!r}")
+
+
+def features_model(loaded: LoadedModel) -> str:
+    """What made a features file: the checkpoint, or the random backbone that stood in for it (--random-init)."""
+    if not loaded.random:
+        return loaded.source
+    config = loaded.backbone.config
+    shape = lambda c: (c.embed_dim, c.depth, c.use_tokenizer)  # noqa: E731
+    size = next((name for name, preset in PRESETS.items() if shape(preset) == shape(config)),
+                f"{config.embed_dim}-wide {config.depth}-block")  # random models come from a preset: by its name
+    return f"random weights, {size} backbone (--random-init, in place of {loaded.source})"
 
 
 def hwc_array(value: torch.Tensor, mask: torch.Tensor | None) -> np.ndarray:
@@ -1261,12 +1276,20 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def random_banner(models: dict[str, LoadedModel]) -> str:
+def random_banner(models: dict[str, LoadedModel], args) -> str:
     tasks = ", ".join(t for t, m in models.items() if m.random)
+    if args.random_init == "always":
+        lines = [f"RANDOM WEIGHTS for {tasks}: --random-init always, no checkpoint was loaded or downloaded."]
+        if "pose" in models and not args.boxes:
+            lines.append("Pose boxes: " + ("the random segmentation's blobs (--detector seg)." if args.detector == "seg"
+                                           else "the whole image (no person detector was loaded)."))
+        advice = "For real results run without --random-init always."
+    else:
+        lines = [f"RANDOM WEIGHTS for {tasks}: their checkpoints could not be loaded (see the message above)."]
+        advice = "For real results download the weights (see the message above) and run again."
+    lines += ["The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.", advice]
     bar = "!" * 78
-    return (f"\n{bar}\n!!  RANDOM WEIGHTS for {tasks}: no checkpoint could be loaded.\n"
-            f"!!  The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.\n"
-            f"!!  For real results download the weights (see the message above) and run again.\n{bar}\n")
+    return f"\n{bar}\n" + "".join(f"!!  {line}\n" for line in lines) + f"{bar}\n"
 
 
 class Terminated(KeyboardInterrupt):
@@ -1328,7 +1351,7 @@ def run(args, argv: list[str]) -> int:
     check_flip_pairs(args.flip, models)
     check_keypoint_formats(args, models)
     if any(m.random for m in models.values()):
-        print(random_banner(models), file=sys.stderr)
+        print(random_banner(models, args), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
                   args.mask_with_seg, boxes, names=names, warnings=warnings, detector=detector,
                   seg_boxes=detector is None and args.detector != "none",
@@ -1384,7 +1407,7 @@ def run(args, argv: list[str]) -> int:
         print(f"{prefix}error: stopped: {stopped}; {counts['not_attempted']} images not attempted. Fix that and "
               f"rerun the same command with --skip-existing to finish", file=sys.stderr)
     if any(m.random for m in models.values()):
-        print(random_banner(models), file=sys.stderr)
+        print(random_banner(models, args), file=sys.stderr)
     # NOTE: under torchrun a rank with failed images still exits 0: torchrun stops every rank as soon as one
     # exits non-zero, which would end the whole run. The failures are in each rank's manifest. A stopped run
     # (disk full, OUT read-only) exits 1 everywhere: the other ranks would hit the same wall.
