@@ -1184,7 +1184,8 @@ def build_parser() -> argparse.ArgumentParser:
             for task in TASKS))
     parser.add_argument("task", help="one task or several: seg,normal,pose")
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="image files, folders (recursive), globs ('a/**/*.jpg'), .txt files listing paths")
+                        help="image files, videos, folders (recursive), globs ('a/**/*.jpg'), .txt files listing "
+                             "paths (one a line, relative to the list file's folder; # comments)")
     parser.add_argument("-o", "--output", default="predictions", metavar="OUT",
                         help="output folder (default: %(default)s)")
     parser.add_argument("--model", action="append", default=[], metavar="SOURCE",

@@ -398,6 +398,19 @@ def test_input_forms_and_output_names(tmp_path, monkeypatch):
     assert found == ["out/photo.jpg", "x/p.jpg", "y/p.jpg", "y/q.jpg", "y/q.png"]  # not our own overlay
 
 
+def test_a_list_file_names_paths_relative_to_its_own_folder(tmp_path, monkeypatch, capsys):
+    """`lists/l.txt` saying `photos/a.jpg` means lists/photos/a.jpg, whatever the current folder holds (and
+    --help says so)."""
+    write_images(tmp_path, {"lists/photos/a.jpg": (8, 8), "cwd/photos/a.jpg": (8, 8), "lists/b.png": (8, 8)})
+    (tmp_path / "lists" / "l.txt").write_text("photos/a.jpg\nb.png\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    items = predict.collect_inputs(["../lists/l.txt"])
+    assert [item.path.resolve() for item in items] == [tmp_path / "lists" / "b.png", tmp_path / "lists/photos/a.jpg"]
+    with pytest.raises(SystemExit):
+        predict.main(["--help"])
+    assert "relative to the list file's folder" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("count,world", [(0, 2), (5, 2), (7, 3), (2, 4)])
 def test_shards_are_disjoint_and_complete(count, world):
     items = list(range(count))
