@@ -188,7 +188,11 @@ def glob_base(pattern: str) -> tuple[Path, str]:
 
 def read_list_file(path: Path, exclude: Path | None) -> list[InputImage]:
     """One image path (or folder) per line, relative to the list file's folder; blank lines and # comments skipped."""
-    lines = [line.strip() for line in path.read_text().splitlines()]
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines()]
+    except (OSError, UnicodeDecodeError) as error:
+        why = (error.strerror or str(error)) if isinstance(error, OSError) else "not a text file"
+        raise UsageError(f"{path}: cannot read this list of inputs ({why})") from None
     entries = [path.parent / line for line in lines if line and not line.startswith("#")]
     missing = [str(e) for e in entries if not e.exists()]
     if missing:
@@ -409,6 +413,21 @@ def parse_model_specs(specs: list[str]) -> tuple[str | None, dict[str, str]]:
     return default, per_task
 
 
+def check_model_sources(specs: list[str]):
+    """A --model name that names nothing (`sgm-0.4b`: a bare word that is no preset, hub id or file here) is refused
+    before any model loads, with the names that would do. A missing path (`x/m.safetensors`) is left to the
+    loader, which names it."""
+    default, per_task = parse_model_specs(specs)
+    named = ([] if default is None else [(default, default)]) + [(f"{t}={s}", s) for t, s in per_task.items()]
+    task_presets = ", ".join(f"{task}-{'/'.join(sizes)}" for task, sizes in heads.HEAD_TABLE.items())  # seg-0.4b/1b
+    for spec, source in named:
+        bare_word = Path(source).name == source and not source.endswith(".safetensors")
+        if bare_word and not Path(source).exists() and not looks_like_preset_or_hub_id(source):
+            raise UsageError(f"--model {spec}: no such file or folder, and not a model name; give a size "
+                             f"({', '.join(PRESETS)}), a task preset ({task_presets}), a "
+                             f".safetensors file, a checkpoint folder or a hub id (owner/name)")
+
+
 def model_source(task: str, default: str | None, per_task: dict[str, str]) -> str:
     """The checkpoint a task loads: a preset name (-> its hub id), a hub id, a file or a folder."""
     if task in per_task:
@@ -439,8 +458,12 @@ def load_models(args, tasks: list[str], device, dtype) -> dict[str, LoadedModel]
 
 def load_detector(args, tasks: list[str], device, dtype) -> detect.PersonDetector | None:
     """The person detector for pose boxes (None with --boxes or --detector seg|none). When its weights cannot be
-    downloaded, say so and use the segmentation's blobs instead; a missing local file stays an error."""
+    downloaded, say so and use the segmentation's blobs instead; a missing local file stays an error. With
+    --random-init always nothing is loaded or downloaded: pose runs on the whole image (the banner says so)."""
     if "pose" not in tasks or args.boxes or args.detector in ("seg", "none"):
+        return None
+    if args.random_init == "always":
+        args.detector = "none"  # from here on, and in the manifest
         return None
     try:
         return detect.load(args.detector, dtype=dtype, device=device)
@@ -742,7 +765,7 @@ def infer(ctx: Context, items: list[InputImage], images: list[torch.Tensor]) -> 
 # ----------------------------------------------------------------------------------------------------
 def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loaded: LoadedModel) -> dict:
     value, mask = result[task], result["mask"] if task in MASKED_TASKS else None
-    vis = stamp_random if loaded.random else (lambda picture: picture)
+    vis = stamp_random if loaded.random else (lambda picture: picture)  # pictures only: raw files stay raw
     if task == "seg":
         classes = loaded.model.head_config.out_channels  # a fine-tune's own count: its own palette
         return {".seg.png": lambda: Image.fromarray(value.to(torch.uint8).numpy()),
@@ -765,12 +788,23 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
                 ".composite.jpg": lambda: vis(processing.to_pil(value["composite"]))}
     if task == "albedo":
         albedo = value if mask is None else value * mask
-        return {".albedo.png": lambda: vis(processing.to_pil(processing.albedo_to_uint8(albedo)))}
+        return {".albedo.png": lambda: processing.to_pil(processing.albedo_to_uint8(albedo))}  # the raw albedo
     if task == "features":
         about = {"image": item.relative, "height": str(image.shape[-2]), "width": str(image.shape[-1]),
-                 "model": loaded.source}
+                 "model": features_model(loaded), "random_weights": str(loaded.random).lower()}
         return {".features.safetensors": lambda: (value, about)}
     raise ValueError(f"unknown task {task!r}")
+
+
+def features_model(loaded: LoadedModel) -> str:
+    """What made a features file: the checkpoint, or the random backbone that stood in for it (--random-init)."""
+    if not loaded.random:
+        return loaded.source
+    config = loaded.backbone.config
+    shape = lambda c: (c.embed_dim, c.depth, c.use_tokenizer)  # noqa: E731
+    size = next((name for name, preset in PRESETS.items() if shape(preset) == shape(config)),
+                f"{config.embed_dim}-wide {config.depth}-block")  # random models come from a preset: by its name
+    return f"random weights, {size} backbone (--random-init, in place of {loaded.source})"
 
 
 def hwc_array(value: torch.Tensor, mask: torch.Tensor | None) -> np.ndarray:
@@ -975,13 +1009,20 @@ def skip_blocked(ctx: Context, item: InputImage, progress: "Progress") -> bool:
 def fail(ctx: Context, item: InputImage, failures: list[tuple[str | None, Exception]], progress: "Progress"):
     """Report an image's failures (task None: the whole image) on stderr and in the manifest."""
     for task, error in failures:
-        message = os_error_text(error) if isinstance(error, OSError) and error.errno else str(error)
-        message = f"{type(error).__name__}: {one_line(message)}"
-        ctx.errors.append({"image": str(item.path), **({"task": task} if task else {}), "error": message})
-        where = "" if str(item.path) in message else f"{item.path}: "
-        progress.note(f"error: {where}{f'{task}: ' if task else ''}{message} (skipped)")
+        entry, line = failure_report(item, task, error)
+        ctx.errors.append(entry)
+        progress.note(line)
     ctx.outcomes[item] = "failed"
     progress.advance(failed=True)
+
+
+def failure_report(item: InputImage, task: str | None, error: Exception) -> tuple[dict, str]:
+    """A failure as its run.json entry and its `error: ... (skipped)` line."""
+    message = os_error_text(error) if isinstance(error, OSError) and error.errno else str(error)
+    message = f"{type(error).__name__}: {one_line(message)}"
+    where = "" if str(item.path) in message else f"{item.path}: "
+    return ({"image": str(item.path), **({"task": task} if task else {}), "error": message},
+            f"error: {where}{f'{task}: ' if task else ''}{message} (skipped)")
 
 
 def one_line(message: str, limit: int = 600) -> str:
@@ -1144,7 +1185,8 @@ def build_parser() -> argparse.ArgumentParser:
             for task in TASKS))
     parser.add_argument("task", help="one task or several: seg,normal,pose")
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="image files, folders (recursive), globs ('a/**/*.jpg'), .txt files listing paths")
+                        help="image files, videos, folders (recursive), globs ('a/**/*.jpg'), .txt files listing "
+                             "paths (one a line, relative to the list file's folder; # comments)")
     parser.add_argument("-o", "--output", default="predictions", metavar="OUT",
                         help="output folder (default: %(default)s)")
     parser.add_argument("--model", action="append", default=[], metavar="SOURCE",
@@ -1236,12 +1278,20 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def random_banner(models: dict[str, LoadedModel]) -> str:
+def random_banner(models: dict[str, LoadedModel], args) -> str:
     tasks = ", ".join(t for t, m in models.items() if m.random)
+    if args.random_init == "always":
+        lines = [f"RANDOM WEIGHTS for {tasks}: --random-init always, no checkpoint was loaded or downloaded."]
+        if "pose" in models and not args.boxes:
+            lines.append("Pose boxes: " + ("the random segmentation's blobs (--detector seg)." if args.detector == "seg"
+                                           else "the whole image (no person detector was loaded)."))
+        advice = "For real results run without --random-init always."
+    else:
+        lines = [f"RANDOM WEIGHTS for {tasks}: their checkpoints could not be loaded (see the message above)."]
+        advice = "For real results download the weights (see the message above) and run again."
+    lines += ["The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.", advice]
     bar = "!" * 78
-    return (f"\n{bar}\n!!  RANDOM WEIGHTS for {tasks}: no checkpoint could be loaded.\n"
-            f"!!  The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.\n"
-            f"!!  For real results download the weights (see the message above) and run again.\n{bar}\n")
+    return f"\n{bar}\n" + "".join(f"!!  {line}\n" for line in lines) + f"{bar}\n"
 
 
 class Terminated(KeyboardInterrupt):
@@ -1280,6 +1330,7 @@ def run(args, argv: list[str]) -> int:
         metadata.check_data_files()  # an incomplete installation stops here, not on every image after the models load
     except metadata.MissingDataError as error:
         raise UsageError(str(error)) from None
+    check_model_sources(args.model)
     coco = "coco" in args.save and "pose" in tasks
     if not coco and not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
         raise UsageError(f"--save {','.join(sorted(args.save))} writes nothing for {','.join(tasks)}")
@@ -1292,9 +1343,13 @@ def run(args, argv: list[str]) -> int:
     items = collect_inputs(args.inputs, exclude=out.resolve())
     names = output_names(items)
     require_av_for(items)
+    mine, prefix = shard(items, rank, world), f"[rank {rank}/{world}] " if world > 1 else ""
+    unreadable = unreadable_inputs(mine, world)
     warnings = unmatched_boxes_warnings(args.boxes, boxes, items) + renamed_notes(names)
     for message in warnings:
         print(f"warning: {message}", file=sys.stderr)
+    for item, error in unreadable.items():  # reported before the models load; skipped as an image failing later is
+        print(prefix + failure_report(item, None, error)[1], file=sys.stderr)
     prepare_output_folder(out)
     detector = load_detector(args, tasks, device, dtype)  # before the models: its fallback needs seg
     models = load_models(args, tasks, device, dtype)
@@ -1302,27 +1357,27 @@ def run(args, argv: list[str]) -> int:
     check_flip_pairs(args.flip, models)
     check_keypoint_formats(args, models)
     if any(m.random for m in models.values()):
-        print(random_banner(models), file=sys.stderr)
+        print(random_banner(models, args), file=sys.stderr)
     ctx = Context(tasks, models, out, device, dtype, batch_size, args.size, args.flip, args.save,
                   args.mask_with_seg, boxes, names=names, warnings=warnings, detector=detector,
                   seg_boxes=detector is None and args.detector != "none",
                   coco=formats.CocoResults(args.coco_format, keypoint_names(models["pose"].model)) if coco else None,
                   resample=args.resample)
-    mine = shard(items, rank, world)
-    clips, settings = [item for item in mine if video.is_video(item.path)], video_settings(args, ctx)
+    readable = [item for item in mine if item not in unreadable]
+    clips, settings = [item for item in readable if video.is_video(item.path)], video_settings(args, ctx)
     if args.skip_existing and (removed := remove_stale_temporaries(out)):
         print(f"note: removed {removed} temporary files left in {out} by an earlier run that was killed",
               file=sys.stderr)
-    images = [item for item in mine if not video.is_video(item.path)]
+    images = [item for item in readable if not video.is_video(item.path)]
     todo = [item for item in images if not (args.skip_existing and all_written(ctx, item))]
     manifest = new_manifest(args, argv, ctx, dict(rank=rank, world_size=world, images=len(mine), of=len(items)))
+    record_unreadable(ctx, manifest, unreadable)
     manifest["timings_s"] = {"load_models": round(time.perf_counter() - start, 3)}
     path = manifest_path(out, rank, world)
     try:
         write_manifest(path, manifest, reserve=manifest_reserve(len(todo)))
     except OSError as error:
         raise UsageError(f"cannot write the manifest {path} ({os_error_text(error)})") from None
-    prefix = f"[rank {rank}/{world}] " if world > 1 else ""
     frames = sum(video.expected_frames(clip.path, settings.selection) for clip in clips)
     progress = Progress(len(todo) + frames, prefix, enabled=rank == 0 or not sys.stderr.isatty())
     ctx.note = progress.note
@@ -1358,7 +1413,7 @@ def run(args, argv: list[str]) -> int:
         print(f"{prefix}error: stopped: {stopped}; {counts['not_attempted']} images not attempted. Fix that and "
               f"rerun the same command with --skip-existing to finish", file=sys.stderr)
     if any(m.random for m in models.values()):
-        print(random_banner(models), file=sys.stderr)
+        print(random_banner(models, args), file=sys.stderr)
     # NOTE: under torchrun a rank with failed images still exits 0: torchrun stops every rank as soon as one
     # exits non-zero, which would end the whole run. The failures are in each rank's manifest. A stopped run
     # (disk full, OUT read-only) exits 1 everywhere: the other ranks would hit the same wall.
@@ -1424,6 +1479,34 @@ def check_size_fits(size: tuple[int, int] | None, models: dict[str, LoadedModel]
             h, w = config.image_size
             raise UsageError(f"--size {size[0]}x{size[1]}: the pointmap model's scale branch only works at the size "
                              f"it was built for, {h}x{w}; leave --size out or give that")
+
+
+def unreadable_inputs(items: list[InputImage], world: int) -> dict[InputImage, Exception]:
+    """This process's inputs that cannot be read, by their header (not an image, empty, not ours to read, not a
+    video), found before any model loads. When none of a single process's inputs can be read, nothing can run."""
+    unreadable = {}
+    for item in items:
+        try:
+            (video.check_video_file if video.is_video(item.path) else processing.check_image_file)(item.path)
+        except (OSError, ValueError) as error:
+            unreadable[item] = error
+    if unreadable and len(unreadable) == len(items) and world == 1:
+        reasons = [one_line(str(error)) for error in unreadable.values()]
+        what = reasons[0] if len(reasons) == 1 else (f"none of the {len(reasons)} inputs can be read: "
+                                                      + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else ""))
+        raise UsageError(f"{what}; inputs are images ({' '.join(sorted(IMAGE_SUFFIXES))}), videos, folders, globs "
+                         f"or .txt lists of them")
+    return unreadable
+
+
+def record_unreadable(ctx: Context, manifest: dict, unreadable: dict[InputImage, Exception]):
+    """The inputs unreadable_inputs found (reported then) in run.json, as failed images (a video: as failed videos)."""
+    for item, error in unreadable.items():
+        entry, _ = failure_report(item, None, error)
+        ctx.errors.append(entry)
+        ctx.outcomes[item] = "failed"
+        if video.is_video(item.path):
+            manifest.setdefault("videos", {})[item.relative] = {"error": entry["error"]}
 
 
 def require_av_for(items: list[InputImage]):

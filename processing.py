@@ -100,7 +100,15 @@ def load_images(images) -> list[torch.Tensor]:
     return [load_image(images)]
 
 
-def _open_image_file(path: Path) -> Image.Image:
+def check_image_file(path: Path):
+    """The cheap part of reading an image file, its header only (no pixels decoded): it exists, can be opened,
+    is not empty and Pillow recognises it. Raises what load_image would (predict.py checks inputs with it
+    before loading a model)."""
+    with _open_image_header(path):
+        pass
+
+
+def _open_image_header(path: Path) -> Image.Image:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if path.is_dir():
@@ -108,13 +116,22 @@ def _open_image_file(path: Path) -> Image.Image:
     if path.stat().st_size == 0:
         raise ImageLoadError(f"{path}: the file is empty")
     try:
-        with Image.open(path) as image:
-            image.load()  # decode now, so a truncated file fails here and not somewhere downstream
-            return ImageOps.exif_transpose(image)
+        return Image.open(path)
     except UnidentifiedImageError:
         raise ImageLoadError(f"{path}: not an image (Pillow does not recognise the format)") from None
+    except PermissionError as error:  # not "corrupt": the file may be fine, only not ours to read
+        raise ImageLoadError(f"{path}: cannot read it ({error.strerror or error})") from None
     except (OSError, SyntaxError, EOFError, ValueError) as error:
         raise ImageLoadError(f"{path}: truncated or corrupt image ({error})") from None
+
+
+def _open_image_file(path: Path) -> Image.Image:
+    with _open_image_header(path) as image:
+        try:
+            image.load()  # decode now, so a truncated file fails here and not somewhere downstream
+            return ImageOps.exif_transpose(image)
+        except (OSError, SyntaxError, EOFError, ValueError) as error:
+            raise ImageLoadError(f"{path}: truncated or corrupt image ({error})") from None
 
 
 def _pil_to_tensor(image: Image.Image) -> torch.Tensor:

@@ -41,6 +41,18 @@ def require_av():
     return av
 
 
+def check_video_file(path: Path):
+    """The cheap part of reading a video, its header only (no frame decoded): the container opens and has a
+    video stream. A ValueError naming the file otherwise (predict.py checks inputs with it before loading a model)."""
+    av = require_av()
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"{path}: no video stream in it")
+    except (av.FFmpegError, OSError) as error:
+        raise ValueError(f"{path}: cannot be read as a video ({error})") from None
+
+
 def overlay_suffix(picture_suffix: str) -> str:
     """`.seg_overlay.jpg` -> `.seg_overlay.mp4`: the overlay video of a picture kind."""
     return picture_suffix.rsplit(".", 1)[0] + ".mp4"

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file
 
+import detect
 import heads
 import predict
 import processing
@@ -308,6 +310,61 @@ def test_random_fallback_runs_the_real_architecture_and_says_so(images, tmp_path
     assert read_png(tmp_path / "a.seg.png").shape == (80, 60)
 
 
+def test_random_init_always_downloads_nothing_and_says_so(images, tmp_path, capsys, monkeypatch):
+    """No checkpoint and no person detector is loaded or downloaded; the banner says why the weights are random
+    (no "see the message above": there is none) and where the pose boxes came from."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("--random-init always loaded or downloaded something")
+
+    monkeypatch.setattr(weights, "download", refuse)  # every hub download (checkpoints, detector) goes through it
+    monkeypatch.setattr(detect, "load", refuse)
+    run_cli("pose", images / "a.jpg", "-o", tmp_path, "--random-init", "always", "--random-backbone", "0.1b",
+            "--size", "64x48", "--no-flip", capsys=capsys)
+    err = capsys.readouterr().err
+    assert "RANDOM WEIGHTS for pose: --random-init always, no checkpoint was loaded or downloaded" in err
+    assert "Pose boxes: the whole image (no person detector was loaded)" in err and "message above" not in err
+    assert json.loads((tmp_path / "a.pose.json").read_text())["box_source"] == "whole-image"
+    manifest = json.loads((tmp_path / "run.json").read_text())
+    assert manifest["settings"]["detector"] == "none" and manifest["models"]["pose"]["random_weights"]
+
+
+def test_random_weight_stamp_is_on_pictures_only(images):
+    """RANDOM WEIGHTS is written across the pictures (--save vis alone); files that are raw data (the albedo PNG,
+    documented as the raw albedo, among them) are the same as with real weights. run.json marks them random."""
+    models = {task: predict.LoadedModel(tiny_model(task).eval(), task) for task in predict.TASKS}
+    ctx = predict.Context(list(predict.TASKS), models, images, torch.device("cpu"), torch.float32, 1, None, True,
+                          set(predict.KINDS), False, None)
+    item = predict.InputImage(images / "a.jpg", "a.jpg")
+    image = processing.load_image(item.path)
+    (result,) = predict.infer(ctx, [item], [image])
+    for task, artefacts in predict.ARTEFACTS.items():
+        real = predict.render(task, item, image, result, models[task])
+        random = predict.render(task, item, image, result, predict.LoadedModel(models[task].model, task, random=True))
+        for suffix, kinds in artefacts.items():
+            plain, marked = real[suffix](), random[suffix]()
+            if isinstance(plain, Image.Image):
+                stamped = not np.array_equal(np.asarray(plain), np.asarray(marked))
+                assert stamped == (kinds == {"vis"}), (suffix, kinds)
+
+
+def test_features_of_a_random_backbone_say_so(checkpoints, images, tmp_path, capsys, monkeypatch):
+    """features.safetensors names what made the tensors: the random 0.1b backbone, not the 0.4b asked for."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path / "cache"))
+    run_cli("features", images / "a.jpg", "-o", tmp_path / "random", "--random-init", "fallback",
+            "--random-backbone", "0.1b", "--size", "64x48", capsys=capsys)
+    with safe_open(str(tmp_path / "random" / "a.features.safetensors"), framework="pt") as f:
+        metadata, channels = f.metadata(), f.get_tensor("cls").shape[0]
+    assert channels == predict.PRESETS["0.1b"].embed_dim
+    assert metadata["model"] == "random weights, 0.1b backbone (--random-init, in place of 0.4b)"
+    assert metadata["random_weights"] == "true"
+    run_cli("features", images / "a.jpg", "-o", tmp_path / "real", *model_args(checkpoints, ["features"]),
+            capsys=capsys)
+    with safe_open(str(tmp_path / "real" / "a.features.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+    assert (metadata["model"], metadata["random_weights"]) == (str(checkpoints["features"]), "false")
+
+
 def test_usage_errors(checkpoints, images, capsys):
     seg = model_args(checkpoints, ["seg"])
     assert predict.main(["segment", str(images), *seg]) == 2
@@ -339,6 +396,19 @@ def test_input_forms_and_output_names(tmp_path, monkeypatch):
     write_images(tmp_path, {"out/p.seg_overlay.jpg": (8, 8), "out/photo.jpg": (8, 8)})  # -o out, inside the input
     found = [i.relative for i in predict.collect_inputs(["."], exclude=(tmp_path / "out").resolve())]
     assert found == ["out/photo.jpg", "x/p.jpg", "y/p.jpg", "y/q.jpg", "y/q.png"]  # not our own overlay
+
+
+def test_a_list_file_names_paths_relative_to_its_own_folder(tmp_path, monkeypatch, capsys):
+    """`lists/l.txt` saying `photos/a.jpg` means lists/photos/a.jpg, whatever the current folder holds (and
+    --help says so)."""
+    write_images(tmp_path, {"lists/photos/a.jpg": (8, 8), "cwd/photos/a.jpg": (8, 8), "lists/b.png": (8, 8)})
+    (tmp_path / "lists" / "l.txt").write_text("photos/a.jpg\nb.png\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    items = predict.collect_inputs(["../lists/l.txt"])
+    assert [item.path.resolve() for item in items] == [tmp_path / "lists" / "b.png", tmp_path / "lists/photos/a.jpg"]
+    with pytest.raises(SystemExit):
+        predict.main(["--help"])
+    assert "relative to the list file's folder" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("count,world", [(0, 2), (5, 2), (7, 3), (2, 4)])

@@ -158,6 +158,116 @@ def test_nan_weights_are_refused_not_run(checkpoints, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Inputs that cannot be read: found by their header before any model loads
+# ----------------------------------------------------------------------------------------------------
+def deny_reading(monkeypatch, path: Path, owner, name: str):
+    """chmod 000. The tests run as root, whom the kernel lets read it anyway: there the EACCES everyone else gets
+    is raised where the file is opened (`owner.name`, called with the path first)."""
+    path.chmod(0)
+    if os.geteuid() != 0:
+        return
+    real = getattr(owner, name)
+
+    def opener(target, *args, **kwargs):
+        if Path(target) == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, opener)
+
+
+def make_unreadable_input(kind: str, folder: Path, monkeypatch) -> tuple[Path, Path, str]:
+    """(the input to pass, the file the message must name, a phrase it must contain)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "text":  # `predict.py seg README.md`
+        (folder / "README.md").write_text("# not an image\n")
+        return folder / "README.md", folder / "README.md", "not an image (Pillow does not recognise the format)"
+    if kind == "text-named-jpg":  # found in a folder by its suffix
+        (folder / "photo.jpg").write_text("not a jpeg")
+        return folder, folder / "photo.jpg", "not an image"
+    if kind == "empty":
+        (folder / "empty.png").write_bytes(b"")
+        return folder / "empty.png", folder / "empty.png", "the file is empty"
+    if kind == "unreadable":
+        write_images(folder, {"locked.jpg": (20, 16)})
+        deny_reading(monkeypatch, folder / "locked.jpg", processing.Image, "open")
+        return folder / "locked.jpg", folder / "locked.jpg", "cannot read it (Permission denied)"
+    if kind == "list-entry":
+        (folder / "notes.md").write_text("not an image")
+        (folder / "list.txt").write_text("notes.md\n")
+        return folder / "list.txt", folder / "notes.md", "not an image"
+    if kind == "broken-video":
+        pytest.importorskip("av")
+        (folder / "clip.mp4").write_bytes(b"not a video at all")
+        return folder / "clip.mp4", folder / "clip.mp4", "cannot be read as a video"
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["text", "text-named-jpg", "empty", "unreadable", "list-entry", "broken-video"])
+def test_an_unreadable_input_is_refused_before_loading(kind, tmp_path, monkeypatch, capsys, no_model_loads):
+    source, named, phrase = make_unreadable_input(kind, tmp_path / "in", monkeypatch)
+    out = tmp_path / "out"
+    assert predict.main(["seg", str(source), "-o", str(out), "--model", "seg=unused.safetensors"]) == 2
+    err = capsys.readouterr().err
+    (line,) = error_lines(err)
+    assert line == err.strip() and str(named) in line and phrase in line
+    assert not out.exists()  # nothing written
+
+
+def test_unreadable_inputs_among_good_ones_are_skipped_before_the_models_load(checkpoints, tmp_path, monkeypatch,
+                                                                              capsys):
+    """As the README promises for a bad image: reported and skipped, the others written, exit 1; only the
+    reporting comes before the models load (and is not repeated after)."""
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.png": (16, 20), "locked.jpg": (20, 16)})
+    (folder / "notes.jpg").write_text("not a jpeg")
+    (folder / "empty.png").write_bytes(b"")
+    deny_reading(monkeypatch, folder / "locked.jpg", processing.Image, "open")
+    before_loading, real = [], predict.load_models
+
+    def load_models(*args, **kwargs):
+        before_loading.append(capsys.readouterr().err)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predict, "load_models", load_models)
+    out = tmp_path / "out"
+    assert predict.main(["seg", str(folder), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 1
+    bad = ["empty.png", "locked.jpg", "notes.jpg"]
+    lines = error_lines(before_loading[0])
+    assert len(lines) == 3 and all(line.endswith("(skipped)") for line in lines)
+    assert all(sum(f"{folder / name}: " in line for line in lines) == 1 for name in bad)
+    assert not error_lines(capsys.readouterr().err)
+    manifest = strict_json(out / "run.json")
+    assert manifest["counts"] == {"images": 5, "written": 2, "failed": 3, "skipped_existing": 0, "not_attempted": 0}
+    assert sorted(Path(e["image"]).name for e in manifest["errors"]) == bad
+    assert sorted(p.name for p in out.glob("*.seg.png")) == ["a.seg.png", "b.seg.png"]
+
+
+def test_an_unreadable_list_file_is_one_line(tmp_path, monkeypatch, capsys, no_model_loads):
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.jpg\n")
+    deny_reading(monkeypatch, listing, Path, "read_text")
+    assert predict.main(["seg", str(listing), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: {listing}: cannot read this list of inputs (Permission denied)"]
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xd8\xff\xe0 a jpeg named .txt")
+    assert predict.main(["seg", str(binary), "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {binary}: cannot read this list of inputs (not a text file)"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("spec", ["sgm-0.4b", "seg=sgm-0.4b"])
+def test_a_model_name_that_names_nothing_lists_the_valid_ones(spec, image, tmp_path, capsys, no_model_loads):
+    assert predict.main(["seg", str(image), "-o", str(tmp_path / "out"), "--model", spec]) == 2
+    err = capsys.readouterr().err
+    (line,) = error_lines(err)
+    assert line == err.strip() and line.startswith(f"error: --model {spec}: no such file or folder")
+    for name in ("0.1b", "1b-4k", "seg-0.4b", "pose-0.4b/0.8b/1b/5b", "matting-1b", "a hub id (owner/name)"):
+        assert name in line
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Paths: outputs always under OUT, distinct names, no symlink loops, existing names taken literally
 # ----------------------------------------------------------------------------------------------------
 def test_glob_climbing_out_of_its_folder_still_writes_under_out(checkpoints, tmp_path, monkeypatch, capsys):
