@@ -1,7 +1,8 @@
-"""README snippets that promise to run as written do: extracted from README.md and executed in order, in one
-namespace, in a scratch folder (offline: they make their own random checkpoint)."""
+"""README snippets that promise to run as written do: extracted from README.md and run in order, each seeing the
+names the ones before it made, in a scratch folder (offline: they make their own random checkpoint)."""
 
 import re
+import runpy
 
 import pytest
 import torch
@@ -18,6 +19,12 @@ def python_snippets(section_title: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text[start:end if end != -1 else None], re.S)
 
 
+def run_snippet(code: str, path, names: dict) -> dict:
+    """Run one snippet as a script that starts with `names` defined; returns its names at the end."""
+    path.write_text(code)
+    return runpy.run_path(str(path), init_globals=names)
+
+
 @pytest.fixture
 def in_scratch_folder(tmp_path, monkeypatch):
     """The repository's assets/ next to the snippets' outputs; kernels.attention restored after (a snippet swaps it)."""
@@ -30,15 +37,14 @@ def in_scratch_folder(tmp_path, monkeypatch):
 def test_researcher_section_runs_as_written(in_scratch_folder):
     snippets = python_snippets("For researchers")
     assert len(snippets) == 2
-    names: dict = {}
-    exec(compile(snippets[0], "README.md: researchers, snippet 1", "exec"), names)
+    names = run_snippet(snippets[0], in_scratch_folder / "snippet1.py", {})
     out = names["out"]  # the shapes its comments state
     assert out.layers[0].shape == (1, 64, 16, 12) and out.layer_cls[0].shape == (1, 64)
     assert out.layer_registers[0].shape == (1, 8, 64) and out.attentions[3].shape == (1, 4, 201, 201)
     assert names["cls_map"].shape == (16, 12)
     assert (in_scratch_folder / "cls_attention.png").is_file()
 
-    exec(compile(snippets[1], "README.md: researchers, snippet 2", "exec"), names)
+    names = run_snippet(snippets[1], in_scratch_folder / "snippet2.py", names)
     assert kernels.attention is names["my_attention"] and names["features"].shape == (1, 64, 16, 12)
     with torch.no_grad():  # block 2 skipped: the output is blocks 0, 1, 3 (the kept original blocks) alone
         tokens, h, w = names["backbone"].embed(names["inputs"].pixel_values)
