@@ -49,8 +49,8 @@ from torch import nn
 import heads
 import safe_io
 import weights
-from predict import CONVENTIONS, model_source, parse_size
-from sapiens2 import Sapiens2
+from predict import CONVENTIONS, OneLineErrorParser, model_source, parse_size
+from sapiens2 import PRESETS, Sapiens2
 
 TASKS = ("pose", "seg", "normal", "pointmap", "matting", "albedo", "features")
 # The outputs of each task, in the order of the artifact's outputs (names of the task model's output fields).
@@ -107,16 +107,25 @@ class ExportWrapper(nn.Module):
         return {name: getattr(out, name) for name in OUTPUTS[self.task]}
 
 
-def load_model(task: str, source: str, dtype: torch.dtype, rope: str) -> nn.Module:
-    """Any source weights.load accepts (see model_source for sizes). `features` takes the backbone of any
-    checkpoint, pretrain or task."""
+def load_model(task: str, source: str, dtype: torch.dtype, rope: str, random_init: str = "never",
+               random_backbone: str | None = None, size: tuple[int, int] | None = None) -> tuple[nn.Module, bool]:
+    """(model, whether its weights are random): any source weights.load accepts (see model_source for sizes), or
+    as --random-init says heads.random_model's (built at `size`: random weights fit any size). `features` takes
+    the backbone of any checkpoint, pretrain or task."""
+    def checkpoint():
+        return weights.load(source, dtype=dtype, task=None if task == "features" else task, rope_dtype=rope)
+
+    def random_weights():
+        overrides = dict(rope_dtype=rope, **({"image_size": tuple(size)} if size else {}))
+        return heads.random_model(task, source, random_backbone, **overrides).to(dtype)
+
     try:
-        model = weights.load(source, dtype=dtype, task=None if task == "features" else task, rope_dtype=rope)
+        model, random = weights.load_or_random(source, random_init, checkpoint, random_weights)
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
     if task == "features" and isinstance(model, heads.Sapiens2ForTask):
         model = model.backbone
-    return model.eval()
+    return model.eval(), random
 
 
 def backbone_of(model: nn.Module) -> Sapiens2:
@@ -153,11 +162,13 @@ def example_input(batch: int, size: tuple[int, int], seed: int = 0) -> torch.Ten
     return torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(seed))
 
 
-def describe(task: str, source: str, model: nn.Module, size, dtype: torch.dtype, dynamic_batch: bool) -> dict:
+def describe(task: str, source: str, model: nn.Module, size, dtype: torch.dtype, dynamic_batch: bool,
+             random: bool = False) -> dict:
     """What the artifact is, stored inside it (ONNX metadata_props / a file in the .pt2)."""
     config = backbone_of(model).config
     return {
-        "task": task, "source": source, "outputs": list(OUTPUTS[task]), "dtype": str(dtype).replace("torch.", ""),
+        "task": task, "source": source, "random_weights": random, "outputs": list(OUTPUTS[task]),
+        "dtype": str(dtype).replace("torch.", ""),
         "input": f"pixel_values ({'B' if dynamic_batch else 1}, 3, {size[0]}, {size[1]}) float32, normalized RGB",
         "rope_dtype": config.rope_dtype, "sapiens2_config": config.to_dict(),
         "head_config": model.head_config.to_dict() if isinstance(model, heads.Sapiens2ForTask) else None,
@@ -314,7 +325,7 @@ def check_output_path(path: Path, fmt: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="export.py",
         description="Export a Sapiens2 model (ONNX, torch.export, AOTInductor), checked against eager PyTorch.")
     parser.add_argument("task", choices=TASKS)
@@ -332,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="as predict.py: original = RoPE in bf16 as trained (default); transformers = RoPE in "
                              "fp32 as HF transformers. Preprocessing is outside the artifact: make its input with "
                              "processing.preprocess(..., resample='hf') for the transformers conventions")
+    parser.add_argument("--random-init", choices=weights.RANDOM_INIT, default="never",
+                        help="random weights instead of --model's checkpoint: 'fallback' when its download fails, "
+                             "'always' without trying (offline smoke tests; the artifact's outputs are meaningless "
+                             "and its metadata says random_weights)")
+    parser.add_argument("--random-backbone", choices=list(PRESETS),
+                        help="backbone size of a random model (default: the model's)")
     return parser
 
 
@@ -357,7 +374,9 @@ def export(args) -> dict[str, float]:
     check_output_path(path, args.format)
     source = model_source(args.task, args.model, {})  # a size (0.4b) means the task's released checkpoint
     rope = CONVENTIONS[args.conventions]["rope"]
-    model = load_model(args.task, source, dtype, rope)
+    model, random = load_model(args.task, source, dtype, rope, args.random_init, args.random_backbone, args.size)
+    if random:
+        print(random_banner(args.task, args.random_init), file=sys.stderr)
     size = tuple(args.size or backbone_of(model).config.image_size)
     check_size(model, args.task, size)
     wrapper = ExportWrapper(model, args.task).eval()
@@ -365,7 +384,7 @@ def export(args) -> dict[str, float]:
     with torch.no_grad(), reference_kernels():
         expected = wrapper(example)  # also fills the RoPE table cache: the tables become graph constants
     write, run = WRITERS[args.format]
-    info = describe(args.task, source, model, size, dtype, args.dynamic_batch)
+    info = describe(args.task, source, model, size, dtype, args.dynamic_batch, random)
     with safe_io.staging_folder(path.parent, prefix=f".{path.name}.") as staging:
         print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
               f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {rope}) to {args.format} ...",
@@ -383,7 +402,14 @@ def export(args) -> dict[str, float]:
     if path.suffix == ".onnx" and stale.name not in written and stale.exists():
         stale.unlink()
     print(f"wrote {path}", file=sys.stderr)
+    if random:
+        print(random_banner(args.task, args.random_init), file=sys.stderr)
     return differences
+
+
+def random_banner(task: str, random_init: str) -> str:
+    return weights.random_weights_banner(task, random_init, "The artifact runs end to end, but its outputs are "
+                                         "MEANINGLESS (its metadata says random_weights).")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metadata import flip_heatmaps_back, flip_pairs, segmentation_metadata
-from sapiens2 import ACTIVATIONS, Sapiens2, Sapiens2Config
+from sapiens2 import ACTIVATIONS, PRESETS, Sapiens2, Sapiens2Config
 
 TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo")  # seg first: predict.py's pose boxes and masks use it
 TRANSPOSED_CONV_TASKS = ("pose", "seg")
@@ -154,6 +154,39 @@ def head_preset(task: str, size: str) -> HeadConfig:
 
 
 TASK_PRESETS = [f"{t}-{s}" for t in HEAD_TABLE for s in HEAD_TABLE[t]]
+
+
+def upsample_layers_needed(task: str, patch_size: int) -> int | None:
+    """How many 2x upsampling layers take the H/p x W/p token grid to the targets' resolution, as in the released
+    heads: pose heatmaps at 1/4 of the input size, the dense tasks at the input size. None when no count does
+    (a patch size that is not a power of 2, or under 4 for pose)."""
+    factor = patch_size // 4 if task == "pose" else patch_size
+    layers = factor.bit_length() - 1
+    exact = factor >= 1 and 2**layers == factor and (task != "pose" or patch_size % 4 == 0)
+    return layers if exact else None
+
+
+HEAD_WIDTH_STEP = 8  # default_head's widths are multiples of this, and at least this
+
+
+def default_head(task: str, config: Sapiens2Config, out_channels: int | None = None) -> HeadConfig:
+    """The head to build when none is given, for any backbone: the released head of the size whose embed_dim is
+    nearest to the backbone's (the backbone's own size when it has one; matting, released at 1b only, takes the
+    normal head's widths at the other sizes, as its 1b head does). A narrower backbone gets those widths scaled
+    by the embed_dim ratio (0.1b: 768 / 1024 of the 0.4b head's), rounded to multiples of 8; a wider one keeps
+    them, as the released heads do (seg's widths are the same from 0.4b to 5b). The upsampling layers are as
+    many as upsample_layers_needed (extra ones repeat the last width)."""
+    released = {**HEAD_TABLE["normal"], **HEAD_TABLE["matting"]} if task == "matting" else HEAD_TABLE[task]
+    size = min(released, key=lambda s: (abs(PRESETS[s].embed_dim - config.embed_dim), PRESETS[s].embed_dim))
+    factor = min(1.0, config.embed_dim / PRESETS[size].embed_dim)
+    step = HEAD_WIDTH_STEP
+    scaled = lambda widths: tuple(max(step, step * round(w * factor / step)) for w in widths)  # noqa: E731
+    upsample, conv = map(scaled, released[size])
+    layers = upsample_layers_needed(task, config.patch_size)
+    if layers is not None:  # (None: no count fits; train.py's check says why)
+        upsample = upsample[:layers] + upsample[-1:] * (layers - len(upsample))
+    extra = {k: scaled(v) for k, v in POINTMAP_SCALE.items()} if task == "pointmap" else {}
+    return HeadConfig(task, upsample, conv, OUT_CHANNELS[task] if out_channels is None else out_channels, **extra)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -574,6 +607,24 @@ def from_preset(name: str, **backbone_overrides) -> Sapiens2ForTask:
     """A randomly initialized task model, e.g. from_preset("seg-0.4b")."""
     size, head = task_preset(name)
     return build_task_model(Sapiens2Config.from_preset(size, **backbone_overrides), head)
+
+
+RANDOM_MODEL_SIZE = "0.4b"  # the architecture of a random model whose source names no size (a file, a hub id)
+
+
+def random_model(task: str, source: str, backbone_size: str | None = None, seed: int = 0,
+                 **backbone_overrides) -> nn.Module:
+    """Random weights with a real architecture, for runs without a checkpoint (--random-init of predict.py,
+    train.py and export.py): the head of the size `source` names (a size, or a task preset such as seg-0.4b;
+    any other source: RANDOM_MODEL_SIZE), default_head's where that size has no released head, on a
+    `backbone_size` backbone (default: that size). task "features" gives the backbone alone. Seeds torch's
+    generator with `seed` first, so every process builds the same weights."""
+    size = source.split("-", 1)[1] if source in TASK_PRESETS else source if source in PRESETS else RANDOM_MODEL_SIZE
+    torch.manual_seed(seed)
+    config = Sapiens2Config.from_preset(backbone_size or size, **backbone_overrides)
+    if task == "features":
+        return Sapiens2(config)
+    return build_task_model(config, default_head(task, Sapiens2Config.from_preset(size)))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from safe_io import (FOLDER_WRITE_ERRORS, REPEATING_WRITE_ERRORS, atomic_write, 
                      os_error_text, probe_error, remove_stale_temporaries)
 from metadata import keypoint_metadata
 from runtime_info import versions
-from sapiens2 import PRESETS, Sapiens2, Sapiens2Config
+from sapiens2 import PRESETS, Sapiens2
 
 TASKS = (*heads.TASKS, "features")
 # --conventions: how the weights were trained (the original demos' OpenCV preprocessing, RoPE in bf16), or
@@ -505,40 +505,24 @@ def cached_load(cache: dict, task: str, source: str, args, device, dtype) -> Loa
 
 
 def load_one(task: str, source: str, args, device, dtype) -> LoadedModel:
-    if args.random_init == "always":
-        return LoadedModel(random_model(task, source, args).to(device, dtype).eval(), source, random=True)
-    try:
+    def checkpoint():
         if source in heads.TASK_PRESETS and source not in weights.HUB_IDS:
             raise FileNotFoundError(f"{source}: no released checkpoint; pass a file with --model {task}=PATH")
-        model = weights.load(source, dtype=dtype, device=device, task=None if task == "features" else task,
-                             rope_dtype=args.rope)
-        return LoadedModel(model, source)
+        return weights.load(source, dtype=dtype, device=device, task=None if task == "features" else task,
+                            rope_dtype=args.rope)
+
+    def random_weights():
+        """The real architecture (heads.random_model), the same weights in every process (sharded runs agree)."""
+        model = heads.random_model(task, source, args.random_backbone, seed=TASKS.index(task), rope_dtype=args.rope)
+        return model.to(device, dtype).eval()
+
+    try:
+        model, random = weights.load_or_random(source, args.random_init, checkpoint, random_weights)
     except weights.CheckpointError as error:  # present but unusable: never a random fallback
         raise UsageError(f"--model {task}={source}: cannot use it: {one_line(str(error))}") from None
     except FileNotFoundError as error:
-        if args.random_init != "fallback" or not looks_like_preset_or_hub_id(source):
-            raise UsageError(str(error)) from None
-        print(f"cannot load {source}: {error}", file=sys.stderr)
-        return LoadedModel(random_model(task, source, args).to(device, dtype).eval(), source, random=True)
-
-
-def looks_like_preset_or_hub_id(source: str) -> bool:
-    """Only downloads fall back to random weights; a mistyped local path stays an error."""
-    return source in PRESETS or source in heads.TASK_PRESETS or (
-        bool(weights.HUB_ID.match(source)) and not Path(source).exists() and not source.endswith(".safetensors"))
-
-
-def random_model(task: str, source: str, args) -> torch.nn.Module:
-    """Random weights with the real architecture: the heads of the source's size (0.4b when it names none;
-    the nearest released size where that size has no head) on the --random-backbone (default: same size)."""
-    size = source.split("-", 1)[1] if source in heads.TASK_PRESETS else source if source in PRESETS else DEFAULT_SIZE
-    torch.manual_seed(TASKS.index(task))  # the same weights in every process (sharded runs agree)
-    config = Sapiens2Config.from_preset(args.random_backbone or size, rope_dtype=args.rope)
-    if task == "features":
-        return Sapiens2(config)
-    head_sizes = heads.HEAD_TABLE[task]
-    head_size = size if size in head_sizes else RELEASED_SIZE.get(task, DEFAULT_SIZE)
-    return heads.build_task_model(config, heads.head_preset(task, head_size))
+        raise UsageError(str(error)) from None
+    return LoadedModel(model, source, random)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1237,7 +1221,7 @@ def build_parser() -> argparse.ArgumentParser:
     clips.add_argument("--smooth-beta", type=float, metavar="BETA", default=tracking.OneEuroSettings.beta,
                        help="One-Euro speed coefficient, per person height per second; higher = less lag when "
                             "moving (default: %(default)s)")
-    parser.add_argument("--random-init", choices=["never", "fallback", "always"], default="never",
+    parser.add_argument("--random-init", choices=weights.RANDOM_INIT, default="never",
                         help="random weights instead of checkpoints: 'fallback' when a download fails (for demos "
                              "and smoke tests; outputs are meaningless)")
     parser.add_argument("--random-backbone", choices=list(PRESETS),
@@ -1280,18 +1264,13 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 def random_banner(models: dict[str, LoadedModel], args) -> str:
     tasks = ", ".join(t for t, m in models.items() if m.random)
-    if args.random_init == "always":
-        lines = [f"RANDOM WEIGHTS for {tasks}: --random-init always, no checkpoint was loaded or downloaded."]
-        if "pose" in models and not args.boxes:
-            lines.append("Pose boxes: " + ("the random segmentation's blobs (--detector seg)." if args.detector == "seg"
-                                           else "the whole image (no person detector was loaded)."))
-        advice = "For real results run without --random-init always."
-    else:
-        lines = [f"RANDOM WEIGHTS for {tasks}: their checkpoints could not be loaded (see the message above)."]
-        advice = "For real results download the weights (see the message above) and run again."
-    lines += ["The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.", advice]
-    bar = "!" * 78
-    return f"\n{bar}\n" + "".join(f"!!  {line}\n" for line in lines) + f"{bar}\n"
+    pose_boxes = []
+    if args.random_init == "always" and "pose" in models and not args.boxes:
+        pose_boxes = ["Pose boxes: " + ("the random segmentation's blobs (--detector seg)." if args.detector == "seg"
+                                        else "the whole image (no person detector was loaded).")]
+    return weights.random_weights_banner(
+        tasks, args.random_init, "The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.",
+        *pose_boxes)
 
 
 class Terminated(KeyboardInterrupt):

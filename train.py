@@ -37,7 +37,7 @@ import processing
 import safe_io
 import train_data
 import weights
-from predict import parse_size
+from predict import OneLineErrorParser, parse_size
 from sapiens2 import PRESETS, Sapiens2
 
 STATE_FILE, OPTIMIZER_FILE, LOG_FILE = "train_state.json", "optimizer.safetensors", "log.jsonl"
@@ -50,7 +50,8 @@ RESUME_MAY_CHANGE = {"steps", "epochs", "stop_at", "save_every", "eval_every", "
 # Command line
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=heads.TASKS)
     p.add_argument("--data", required=True, help="dataset folder with train/ and optionally val/")
     p.add_argument("-o", "--out", required=True, help="output folder (checkpoints, log.jsonl)")
@@ -74,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze-backbone", action="store_true", help="train the head only")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clipping (default 1; 0 = off)")
     p.add_argument("--size", type=parse_size, help="network input HxW (default: the model's, 1024x768)")
-    p.add_argument("--head", type=parse_head, help="widths of a new head, UPSAMPLE:CONV, e.g. 768,512:256,128; "
-                   "pointmap adds :SCALE_CONV:SCALE_HIDDEN (default: the released head of the backbone's size)")
+    p.add_argument("--head", type=parse_head, help="widths of a new head, UPSAMPLE:CONV: 4 upsampling layers for "
+                   "the dense tasks (e.g. 768,512,256,128:64,32), 2 for pose (e.g. 1024,768:512,512,256); pointmap "
+                   "adds :SCALE_CONV:SCALE_HIDDEN (default: heads.default_head, the released head of the backbone's "
+                   "size; for a size without one, the head of the released size nearest in embed_dim, its widths "
+                   "scaled by the embed_dim ratio when the backbone is narrower)")
     p.add_argument("--no-augment", dest="augment", action="store_false", help="no training augmentation")
     p.add_argument("--checkpoint-activations", action="store_true", help="recompute each backbone block in "
                    "the backward pass (less memory, ~30%% more compute)")
@@ -89,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data loading processes per training process (default: 4, at most the CPU count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--random-init", choices=weights.RANDOM_INIT, default="never",
+                   help="start from random weights instead of --model's checkpoint: 'fallback' when its download "
+                        "fails, 'always' without trying (offline smoke tests; --model names the size)")
+    p.add_argument("--random-backbone", choices=list(PRESETS),
+                   help="backbone size of a random start (default: the size --model names, else 0.4b)")
     return p
 
 
@@ -99,7 +108,7 @@ def parse_head(text: str) -> list[list[int]]:
             raise ValueError
         widths = [[int(v) for v in part.split(",") if v] for part in parts]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--head takes UPSAMPLE:CONV widths, e.g. 768,512:256,128, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--head takes UPSAMPLE:CONV widths, e.g. 768,512,256,128:64,32, got {text!r}") from None
     if not widths[0] or any(v <= 0 for part in widths for v in part):
         raise argparse.ArgumentTypeError(f"--head {text}: at least one upsample width, all positive")
     return widths
@@ -121,7 +130,9 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error(f"--resume: {state_path} not found; nothing to resume in {args.out}")
     saved = json.loads(state_path.read_text())["args"]
     given = explicit_options(parser, argv)
-    changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and k != "task" and getattr(args, k) != saved.get(k))
+    # The same value is not a change: compare in the form the run stored (a parsed --size is a tuple, stored a list)
+    changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and k != "task"
+                     and stored(getattr(args, k)) != saved.get(k, stored(parser.get_default(k))))
     if changed or args.task != saved["task"]:
         what = ", ".join(f"--{k.replace('_', '-')}" for k in changed) or f"the task ({saved['task']})"
         parser.error(f"--resume continues the run in {args.out} as it was started; {what} cannot change")
@@ -129,6 +140,11 @@ def parse_args(argv) -> argparse.Namespace:
         if key not in given and key not in ("resume", "out", "data", "stop_at"):
             setattr(args, key, tuple(value) if key == "size" and value else value)
     return args
+
+
+def stored(value):
+    """A parsed option's value as train_state.json holds it (JSON: tuples are lists)."""
+    return json.loads(json.dumps(value))
 
 
 def explicit_options(parser: argparse.ArgumentParser, argv) -> set[str]:
@@ -188,59 +204,71 @@ class ModelError(ValueError):
     """--model cannot be loaded; the message says why."""
 
 
-def preset_size(config) -> str | None:
-    """The released size whose shapes this backbone has, if any."""
-    for name, preset in PRESETS.items():
-        if (preset.embed_dim, preset.depth, preset.num_heads, preset.use_tokenizer) == (
-                config.embed_dim, config.depth, config.num_heads, config.use_tokenizer) \
-                and preset.layer_kv_heads == config.layer_kv_heads:
-            return name
-    return None
-
-
 def new_head_config(task: str, out_channels: int, config, widths, like: heads.HeadConfig | None) -> heads.HeadConfig:
-    """The head to build: --head widths, else those of the checkpoint's own head (same task), else the
-    released head of the backbone's size (the 1b normal head for matting and unreleased sizes)."""
-    extra = {}
-    if task == "pointmap":
-        extra = heads.POINTMAP_SCALE if like is None else dict(scale_conv_channels=like.scale_conv_channels,
-                                                                scale_hidden=like.scale_hidden)
-    if widths is not None:
-        if task == "pointmap" and len(widths) == 4:
-            extra = dict(scale_conv_channels=widths[2], scale_hidden=widths[3])
-        return heads.HeadConfig(task, widths[0], widths[1], out_channels, **extra)
-    if like is not None:
-        return replace(like, out_channels=out_channels, labels=None, flip_pairs=None)  # the data's: build_model
-    size = preset_size(config)
-    table = heads.HEAD_TABLE[task] if size in heads.HEAD_TABLE[task] else heads.HEAD_TABLE["normal"]
-    if size not in table:
-        raise ModelError(f"no released {task} head for this backbone ({size or 'a custom size'}: embed_dim "
-                         f"{config.embed_dim}, depth {config.depth}); give the new head's widths with "
-                         f"--head UPSAMPLE:CONV, e.g. --head 256,128:64,32")
-    upsample, conv = table[size]
-    return heads.HeadConfig(task, upsample, conv, out_channels, **extra)
+    """The head to build: --head widths, else those of the checkpoint's own head (same task), else
+    heads.default_head for this backbone (the released head of its size; scaled from the nearest released size's
+    for other sizes). A pointmap --head without SCALE_CONV:SCALE_HIDDEN keeps the checkpoint's scale branch, else
+    takes the default head's."""
+    default = heads.default_head(task, config, out_channels)
+    if widths is None:
+        return default if like is None else replace(like, out_channels=out_channels, labels=None, flip_pairs=None)
+    extra = {}  # (the data's labels are set after: build_model)
+    if task == "pointmap" and len(widths) == 4:
+        extra = dict(scale_conv_channels=widths[2], scale_hidden=widths[3])
+    elif task == "pointmap":
+        kept = like or default
+        extra = dict(scale_conv_channels=kept.scale_conv_channels, scale_hidden=kept.scale_hidden)
+    return heads.HeadConfig(task, widths[0], widths[1], out_channels, **extra)
 
 
-def check_output_resolution(head: heads.HeadConfig, patch_size: int, source):
+def head_option(head: heads.HeadConfig) -> str:
+    """The --head text of this head's widths (what parse_head reads back)."""
+    parts = [head.upsample_channels, head.conv_channels]
+    if head.task == "pointmap":
+        parts += [head.scale_conv_channels, head.scale_hidden]
+    return ":".join(",".join(str(w) for w in part) for part in parts)
+
+
+def check_output_resolution(head: heads.HeadConfig, config, source):
     """The targets are at the input size (pose heatmaps at 1/4 of it), as the released heads' outputs; a head
-    with fewer upsampling layers (loadable, e.g. from transformers) cannot be trained against them."""
-    wanted = patch_size // 4 if head.task == "pose" else patch_size  # upsampling of the H/16 x W/16 tokens
+    with another number of upsampling layers (loadable, e.g. from transformers) cannot be trained against them.
+    The hint is the default head for this backbone, which has the right number."""
+    wanted = heads.upsample_layers_needed(head.task, config.patch_size)
     layers = len(head.upsample_channels)  # each doubles H and W
-    if 2 ** layers != wanted:
-        raise ModelError(f"{source}: this {head.task} head has {layers} upsampling layers, its outputs are at "
-                         f"{2 ** layers}/{patch_size} of the input size; training needs {wanted.bit_length() - 1} "
-                         f"(outputs at {'1/4 of ' if head.task == 'pose' else ''}the input size, where the targets "
-                         f"are): start a new head with --head UPSAMPLE:CONV, e.g. --head "
-                         f"{','.join(['16'] * (wanted.bit_length() - 1))}:16")
+    if layers == wanted:
+        return
+    where = f"{'1/4 of ' if head.task == 'pose' else ''}the input size, where the targets are"
+    if wanted is None:
+        raise ModelError(f"{source}: no {head.task} head can be trained on this backbone: its patch size "
+                         f"{config.patch_size} is not {'4 x ' if head.task == 'pose' else ''}a power of 2, so no "
+                         f"number of 2x upsampling layers brings its outputs to {where}")
+    hint = head_option(heads.default_head(head.task, config, head.out_channels))
+    raise ModelError(f"{source}: this {head.task} head has {layers} upsampling layers, its outputs are at "
+                     f"{2 ** layers}/{config.patch_size} of the input size; training needs {wanted} (outputs at "
+                     f"{where}): start a new head with --head UPSAMPLE:CONV, e.g. --head {hint} (the default "
+                     f"head for this backbone)")
 
 
-def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
-    """Load --model, keep its backbone, continue or replace its head; returns a training-mode fp32 model."""
-    source = args.out if args.resume else args.model
+def starting_weights(args, source: str, log) -> tuple[torch.nn.Module, bool]:
+    """(the model the run starts from, whether its weights are random): the checkpoint of `source` (OUT on
+    --resume, else --model), or as --random-init says a random backbone (heads.random_model: the size --model
+    names, or --random-backbone), the same on every process (seeded with --seed)."""
+    random_init = "never" if args.resume else args.random_init  # a resumed run continues its own checkpoint
+
+    def random_backbone():
+        return heads.random_model("features", source, args.random_backbone, seed=args.seed)
+
     try:
-        loaded = weights.load(source)
+        return weights.load_or_random(source, random_init, lambda: weights.load(source), random_backbone, note=log)
     except (ValueError, OSError) as error:  # not found, not downloadable, not a Sapiens2 checkpoint
         raise ModelError(f"--model {source}: {error}") from None
+
+
+def build_model(args, info: dict, log) -> tuple[heads.Sapiens2ForTask, bool]:
+    """Load --model (or random weights: --random-init), keep its backbone, continue or replace its head;
+    returns a training-mode fp32 model and whether its weights started random."""
+    source = args.out if args.resume else args.model
+    loaded, random = starting_weights(args, source, log)
     backbone = loaded if isinstance(loaded, Sapiens2) else loaded.backbone
     config = backbone.config
     if args.size is not None:
@@ -253,13 +281,14 @@ def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
         head_config, why = old_head, f"continuing the checkpoint's {args.task} head ({K} outputs)"
     else:
         head_config = new_head_config(args.task, K, config, args.head, old_head if same_task else None)
-        why = ("the checkpoint is a pretrain backbone" if old_head is None else
+        why = ("random weights (--random-init)" if random else
+               "the checkpoint is a pretrain backbone" if old_head is None else
                f"the checkpoint's head is a {old_head.task} head" if not same_task else
                "--head was given" if args.head is not None else
                f"the checkpoint's head has {old_head.out_channels} outputs, the data {K}" if old_head.out_channels != K else
                f"the pointmap scale branch is tied to the image size {backbone.config.image_size}")
         why = f"new {args.task} head with {K} outputs: {why}"
-    check_output_resolution(head_config, config.patch_size, "--head" if args.head is not None else source)
+    check_output_resolution(head_config, config, "--head" if args.head is not None else source)
     if args.task == "pose":  # the keypoint set travels with the model (predict.py's flip test and pose.json)
         head_config = replace(head_config, labels=info["keypoint_names"], flip_pairs=info["flip_pairs"])
     elif args.task == "seg":  # so do the class names (weights.load -> model.labels, id2label in config.json)
@@ -276,8 +305,8 @@ def build_model(args, info: dict, log) -> heads.Sapiens2ForTask:
         torch.manual_seed(args.seed)  # the same new head on every process
         model.decode_head = heads.build_head(model.head_config, config.embed_dim, config.size_multiple,
                                              config.hidden_act)
-    log(f"model: {args.model if not args.resume else args.out} -> {why}")
-    return model.train()
+    log(f"model: {source} -> {why}")
+    return model.train(), random
 
 
 def layer_id(name: str, depth: int) -> int:
@@ -448,7 +477,7 @@ def write_checkpoint_files(tmp: Path, model, model_state, optimizer_state, rng, 
         for i, state in enumerate(states):
             tensors[f"rng/{r}/{i}"] = state.cpu()
     weights.save_safetensors(tensors, tmp / OPTIMIZER_FILE, {"step": str(step)})
-    state = {"step": step, "global_batch": global_batch, "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+    state = {"step": step, "global_batch": global_batch, "args": {k: stored(v) for k, v in vars(args).items()},
              "param_groups": groups, "info": info, "torch": torch.__version__}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
 
@@ -549,12 +578,12 @@ def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
     model.eval()
     metric = train_data.Metric(args.task, info)
     rows = list(eval_batches(len(dataset), args.batch_size, dist_info))
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=[[(i, 0) for i in indices] for indices, _ in rows],
-                                         collate_fn=train_data.collate, num_workers=args.workers)
-    for (_, valid), batch in zip(rows, loader):
-        with autocast(args, dist_info.device):
-            output = model(batch["pixel_values"].to(dist_info.device))
-        metric.update(output, batch, valid)
+    loader = data_loader(dataset, [[(i, 0) for i in indices] for indices, _ in rows], args.workers)
+    with Batches(loader) as batches:
+        for (_, valid), batch in zip(rows, batches):
+            with autocast(args, dist_info.device):
+                output = model(batch["pixel_values"].to(dist_info.device))
+            metric.update(output, batch, valid)
     metric.sums = dist_info.all_reduce(metric.sums)
     model.train()
     return metric.result()
@@ -579,7 +608,12 @@ class Run:
             raise ModelError("--fsdp shards over torch.distributed processes: launch with torchrun "
                              "(torchrun --nproc-per-node N train.py ...)")
         self.info = train_data.dataset_info(args.task, Path(args.data))
-        model = build_model(args, self.info, self.note)
+        model, self.random = build_model(args, self.info, self.note)
+        saved_info = json.loads((self.out / STATE_FILE).read_text())["info"] if args.resume else {}
+        if self.random or saved_info.get("random_start"):  # config.json's sapiens2_training says so, resumed too
+            self.info["random_start"] = True
+        if self.random and dist_info.main:
+            print(random_banner(args.task, args.random_init), file=sys.stderr)
         size = tuple(model.config.image_size)
         self.train_set = train_data.build_dataset(args.task, Path(args.data), "train", size, args.augment, self.info)
         self.val_set = train_data.build_dataset(args.task, Path(args.data), "val", size, False, self.info)
@@ -619,15 +653,13 @@ class Run:
         args, dist_info, model, optimizer = self.args, self.dist, self.model, self.optimizer
         progress = Progress(self.total, self.start, dist_info.main, args.progress)
         log = Log(self.out, dist_info.main)
-        log.write({"start": self.start, "argv": self.argv, "notes": self.notes})
+        log.write({"start": self.start, "argv": self.argv, "notes": self.notes,
+                   "random_weights": bool(self.info.get("random_start"))})
         sampler = StepSampler(len(self.train_set), args, dist_info, self.start, self.stop)
-        loader = torch.utils.data.DataLoader(self.train_set, batch_sampler=sampler, collate_fn=train_data.collate,
-                                             num_workers=args.workers, pin_memory=dist_info.device.type == "cuda",
-                                             worker_init_fn=ignore_stop_signals)
-        batches = iter(loader)
+        loader = data_loader(self.train_set, sampler, args.workers, pin_memory=dist_info.device.type == "cuda")
         params = [p for p in model.parameters() if p.requires_grad]
         losses, window_start = [], time.perf_counter()
-        with StopRequests(progress.note) as stop_requests:
+        with StopRequests(progress.note) as stop_requests, Batches(loader) as batches:
             for step in range(self.start, self.stop):
                 losses.append(self.train_step(step, batches, params))
                 done = step + 1
@@ -650,6 +682,8 @@ class Run:
                     return INTERRUPTED
         progress.note(f"saved {self.out / 'model.safetensors'} at step {self.stop}" + (
             "" if self.stop == self.total else f"; continue with --resume (step {self.stop} of {self.total})"))
+        if self.random:
+            progress.note(random_banner(args.task, args.random_init))
         return 0
 
     def train_step(self, step: int, batches, params) -> float:
@@ -677,6 +711,76 @@ class Run:
             loss = forward_loss(model, batch, args.task).loss / args.accumulate
         loss.backward()
         return loss.detach().float().item()
+
+
+def random_banner(task: str, random_init: str) -> str:
+    return weights.random_weights_banner(task, random_init, "Training starts from scratch, the backbone too: a "
+                                         "smoke test of the pipeline, not a Sapiens2 fine-tune.")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data loading: user errors found by a worker come back as one line; the workers stop with the run
+# ----------------------------------------------------------------------------------------------------
+class SampleFailure:
+    """A user error (USER_ERRORS: a bad label, an unreadable image) met while reading a sample, carried as a
+    value from a data worker to the training process, which raises it as the one line it is (raised in the
+    worker, torch would re-raise it with the worker's traceback in its message)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class ReadOrFail:
+    """A dataset whose samples are the dataset's, or a SampleFailure."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        try:
+            return self.dataset[key]
+        except USER_ERRORS as error:
+            return SampleFailure(str(error))
+
+
+def collate_or_fail(samples: list) -> dict | SampleFailure:
+    return next((s for s in samples if isinstance(s, SampleFailure)), None) or train_data.collate(samples)
+
+
+def data_loader(dataset, batch_sampler, workers: int, **options) -> torch.utils.data.DataLoader:
+    """The training and validation loaders: batches, or SampleFailures that Batches raises."""
+    return torch.utils.data.DataLoader(ReadOrFail(dataset), batch_sampler=batch_sampler, collate_fn=collate_or_fail,
+                                       num_workers=workers, worker_init_fn=ignore_stop_signals, **options)
+
+
+class Batches:
+    """A loader's batches, as a context manager: a SampleFailure is raised here (train_data.DataError, exit
+    status 2), and leaving stops the worker processes, however it is left. Left to garbage collection they
+    could live on to interpreter exit (an exception's traceback can hold the iterator in a reference cycle),
+    which stops them with SIGTERM, which they ignore (ignore_stop_signals): the run would hang."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader):
+        self.iterator = iter(loader)
+
+    def __enter__(self) -> "Batches":
+        return self
+
+    def __exit__(self, *exc):
+        shutdown = getattr(self.iterator, "_shutdown_workers", None)  # torch has no public close; none without workers
+        if shutdown is not None:
+            shutdown()
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.iterator)
+        if isinstance(batch, SampleFailure):
+            raise train_data.DataError(batch.message)
+        return batch
 
 
 def ignore_stop_signals(_worker_id: int):

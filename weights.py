@@ -1137,3 +1137,50 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
         save_safetensors({**state, **head}, path / "model.safetensors", metadata)
         (path / "config.json").write_text(json.dumps(hf_config, indent=2, allow_nan=False))
     return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# --random-init: random weights instead of a checkpoint (predict.py, train.py, export.py; the models come
+# from heads.random_model)
+# ----------------------------------------------------------------------------------------------------
+
+RANDOM_INIT = ("never", "fallback", "always")
+
+
+def looks_like_preset_or_hub_id(source: str) -> bool:
+    """Only downloads fall back to random weights; a mistyped local path stays an error."""
+    return source in PRESETS or source in TASK_PRESETS or (
+        bool(HUB_ID.match(source)) and not Path(source).exists() and not source.endswith(".safetensors"))
+
+
+def load_or_random(source: str, random_init: str, load_checkpoint, random_weights, note=None):
+    """(model, whether its weights are random), as --random-init says: "never" loads (load_checkpoint()),
+    "always" does not try (random_weights()), "fallback" loads and takes random weights when a download (a
+    preset name or hub id) cannot be had, saying why through `note` (default: stderr). A missing local file
+    (FileNotFoundError) and a checkpoint that is there but unusable (CheckpointError) stay errors."""
+    if random_init not in RANDOM_INIT:
+        raise ValueError(f"random_init must be one of {', '.join(RANDOM_INIT)}, got {random_init!r}")
+    if random_init == "always":
+        return random_weights(), True
+    try:
+        return load_checkpoint(), False
+    except FileNotFoundError as error:
+        if random_init != "fallback" or not looks_like_preset_or_hub_id(str(source)):
+            raise
+        (note or (lambda message: print(message, file=sys.stderr)))(f"cannot load {source}: {error}")
+        return random_weights(), True
+
+
+def random_weights_banner(tasks: str, random_init: str, consequence: str, *more: str) -> str:
+    """The loud warning of a run on random weights, printed before and after it: why the weights are random
+    (--random-init always, or a download that failed), `consequence` (what that means for this command's
+    outputs) and `more` lines."""
+    if random_init == "always":
+        why = "--random-init always, no checkpoint was loaded or downloaded."
+        advice = "For real results run without --random-init always."
+    else:
+        why = "their checkpoints could not be loaded (see the message above)."
+        advice = "For real results download the weights (see the message above) and run again."
+    bar = "!" * 78
+    lines = [f"RANDOM WEIGHTS for {tasks}: {why}", consequence, *more, advice]
+    return f"\n{bar}\n" + "".join(f"!!  {line}\n" for line in lines) + f"{bar}\n"

@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory):
 
 
 def eager(task, checkpoint, pixels, rope="bfloat16", dtype=torch.float32):
-    model = export.load_model(task, str(checkpoint), dtype, rope)
+    model, _ = export.load_model(task, str(checkpoint), dtype, rope)
     with torch.no_grad():
         return export.ExportWrapper(model, task)(pixels)
 
@@ -316,3 +316,26 @@ def test_aoti_package_matches_eager(checkpoints, tmp_path):
     want = eager("features", checkpoints["features"], pixels)
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-4
+
+
+def test_random_init_exports_offline_and_says_so(tmp_path, monkeypatch, capsys):
+    """--random-init always: no checkpoint is looked for (tests run offline, with an empty cache: conftest); the
+    artifact's metadata and the log say the weights are random. A tiny backbone preset keeps it fast."""
+    import sapiens2
+
+    tiny = Sapiens2Config(32, 2, 2, full_attention_first=1, full_attention_last=1)
+    monkeypatch.setitem(sapiens2.PRESETS, "tiny", tiny)
+    path = tmp_path / "seg.pt2"
+    assert run_export("seg", "--model", "0.4b", "--random-init", "always", "--random-backbone", "tiny",
+                      "--size", "64x48", "--format", "torch-export", "-o", path) == 0
+    assert capsys.readouterr().err.count("RANDOM WEIGHTS for seg") == 2  # before and after, as predict.py
+    extra = {"sapiens2.json": ""}
+    program = torch.export.load(str(path), extra_files=extra).module()
+    info = json.loads(extra["sapiens2.json"])
+    assert info["random_weights"] is True and info["sapiens2_config"]["embed_dim"] == 32
+    assert info["head_config"]["upsample_channels"] == [512, 256, 128, 64]  # the released seg-0.4b head
+    with torch.no_grad():
+        assert program(export.example_input(1, (64, 48)))["logits"].shape == (1, 29, 64, 48)
+    assert run_export("seg", "--model", "0.4b", "--random-backbone", "tiny", "-o", tmp_path / "x.pt2",
+                      "--format", "torch-export") == 2  # never (the default): offline, 0.4b cannot be had
+    assert "error: " in capsys.readouterr().err and not (tmp_path / "x.pt2").exists()

@@ -152,7 +152,7 @@ def test_overfit_each_task(task, backbone, tmp_path):
     assert train.evaluate(model, val, args, info, dist_info)[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6)
     start = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--model", str(backbone),
                                              "--head", HEADS[task]])
-    fresh = train.build_model(start, info, log=lambda message: None)  # what training started from
+    fresh, _ = train.build_model(start, info, log=lambda message: None)  # what training started from
     before = train.evaluate(fresh.eval(), val, args, info, dist_info)[name]
     assert sign * (final[name] - before) > 0, (before, final)
     assert isinstance(model, heads.TASK_MODELS[task]) and model.head_config.out_channels == info["out_channels"]
@@ -483,3 +483,170 @@ def test_ctrl_c_saves_the_step_and_resume_continues(backbone, tmp_path):
     assert train.main(["seg", "--data", str(data), "-o", str(out), "--resume", "--steps", str(step + 1),
                        "--workers", "0", "--no-progress"]) == 0
     assert json.loads((out / "train_state.json").read_text())["step"] == step + 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# A default head for any backbone size; hints that work
+# ----------------------------------------------------------------------------------------------------
+TINY_CONFIG = dict(full_attention_first=1, full_attention_last=1, image_size=SIZE)  # as tiny_backbone's
+
+
+def test_default_head_is_the_released_one_or_scaled_from_it():
+    """Released sizes get exactly their released head; 0.1b (no released head) the 0.4b head's widths x 768/1024,
+    rounded to multiples of 8; with as many upsampling layers as check_output_resolution asks, for any patch size."""
+    from sapiens2 import PRESETS
+
+    for task, sizes in heads.HEAD_TABLE.items():
+        for size in sizes:
+            assert heads.default_head(task, PRESETS[size]) == heads.head_preset(task, size), (task, size)
+    normal_widths = heads.HEAD_TABLE["normal"]["0.4b"]
+    assert heads.default_head("matting", PRESETS["0.4b"]) == heads.HeadConfig("matting", *normal_widths, 4)
+    seg = heads.default_head("seg", PRESETS["0.1b"], out_channels=3)
+    assert (seg.upsample_channels, seg.conv_channels, seg.out_channels) == ((384, 192, 96, 48), (48, 48), 3)
+    pose = heads.default_head("pose", PRESETS["0.1b"])
+    assert (pose.upsample_channels, pose.conv_channels) == ((768, 576), (384, 384, 192))
+    assert heads.default_head("seg", PRESETS["5b"]).upsample_channels == (512, 256, 128, 64)  # never widened
+    for patch, layers in ((16, {"pose": 2, "seg": 4}), (8, {"pose": 1, "seg": 3}), (32, {"pose": 3, "seg": 5})):
+        config = Sapiens2Config(32, 2, 2, patch_size=patch, **TINY_CONFIG)
+        for task, count in layers.items():
+            head = heads.default_head(task, config, 3)
+            assert len(head.upsample_channels) == count and min(head.upsample_channels + head.conv_channels) >= 8
+            train.check_output_resolution(head, config, "default")  # accepted
+
+
+@pytest.mark.parametrize("task", ["seg", "pose", "normal"])
+def test_0_1b_and_custom_backbones_train_without_head(task, tmp_path, capsys):
+    """No --head: 0.1b (no released head; its head is chosen and checked, not trained: 114M parameters) and a
+    custom size (trained 2 steps) get the default head instead of an error."""
+    from sapiens2 import PRESETS
+
+    data = make_dataset(task, tmp_path / "data", count=2)
+    info = train_data.dataset_info(task, data)
+    head = train.new_head_config(task, info["out_channels"], PRESETS["0.1b"], None, None)
+    assert head == heads.default_head(task, PRESETS["0.1b"], info["out_channels"])
+    train.check_output_resolution(head, PRESETS["0.1b"], "0.1b")  # accepted
+    torch.manual_seed(0)
+    custom = weights.save(Sapiens2(Sapiens2Config(40, 2, 2, **TINY_CONFIG)), tmp_path / "custom.safetensors")
+    out = tmp_path / "run"
+    argv = [task, "--data", data, "-o", out, "--model", custom, "--workers", 0, "--steps", 2, "--batch-size", 2,
+            "--no-progress"]
+    assert train.main([str(a) for a in argv]) == 0
+    trained = weights.load(out, task=task)
+    assert trained.head_config.upsample_channels == heads.default_head(task, trained.backbone.config).upsample_channels
+    assert f"new {task} head with {info['out_channels']} outputs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task", ["seg", "pose"])
+def test_hint_for_a_head_with_too_few_upsampling_layers_is_accepted(task, backbone, tmp_path, capsys):
+    """A checkpoint whose head stops short of the targets' resolution is refused with a --head hint; that very
+    hint trains."""
+    data = make_dataset(task, tmp_path / "data", count=2)
+    # patch 16: pose needs 2 upsampling layers, seg 4
+    short_head = heads.HeadConfig("pose", (8,), (8,), 17) if task == "pose" else heads.HeadConfig("seg", (8, 8), (8,), 3)
+    short = heads.build_task_model(weights.load(backbone).config, short_head)
+    checkpoint = weights.save(short, tmp_path / "short.safetensors")
+    common = [task, "--data", data, "--model", checkpoint, "--workers", 0, "--steps", 1, "--batch-size", 2,
+              "--no-progress"]
+    assert train.main([str(a) for a in [*common, "-o", tmp_path / "refused"]]) == 2
+    err = capsys.readouterr().err
+    hint = re.search(r"e\.g\. --head (\S+)", err)
+    assert err.startswith("error: ") and hint, err
+    assert train.main([str(a) for a in [*common, "-o", tmp_path / "hinted", "--head", hint[1]]]) == 0
+    assert list(weights.load(tmp_path / "hinted").head_config.upsample_channels) == train.parse_head(hint[1])[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors found by data workers; resuming with the same command line; one-line usage errors
+# ----------------------------------------------------------------------------------------------------
+def test_bad_label_found_by_a_worker_stops_with_one_line(backbone, tmp_path):
+    """A class id the set does not have, met by one of 2 DataLoader workers on --resume: one `error:` line
+    naming the file, exit 2, no hang (the workers ignore SIGTERM; a hang fails here by the timeout), the earlier
+    checkpoint untouched."""
+    data = make_dataset("seg", tmp_path / "data", count=4)
+    out = tmp_path / "run"
+    assert run_train("seg", data, out, backbone, "--steps", 1) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    save_png(data / "train/masks/im2.png", np.full((64, 48), 7, np.uint8))  # every step has all 4 samples
+    command = [sys.executable, str(ROOT / "train.py"), "seg", "--data", data, "-o", out, "--resume", "--steps", 3,
+               "--workers", 2, "--no-progress"]
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=90,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert errors == [f"error: {data / 'train/masks/im2.png'}: class id 7 but classes.json lists 3 classes "
+                      "(ids 0..2, 255 = ignore)"], result.stderr
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "log.jsonl"}
+    assert after == {k: v for k, v in before.items() if k != "log.jsonl"}  # (log.jsonl gains the start record)
+
+
+def test_resume_with_the_same_command_line(backbone, tmp_path, capsys):
+    """--resume with the first run's own options, --size, --head and the rest: the same values are no change."""
+    data = make_dataset("seg", tmp_path / "data", count=2)
+    out = tmp_path / "run"
+    first = ["seg", "--data", data, "-o", out, "--model", backbone, "--head", HEADS["seg"], "--size", "64x48",
+             "--lr", "2e-4", "--min-lr", "1e-6", "--warmup", 1, "--weight-decay", "0.05", "--layer-decay", "0.9",
+             "--clip-grad", "0.5", "--precision", "fp32", "--seed", 3, "--no-augment", "--freeze-backbone",
+             "--workers", 0, "--batch-size", 2, "--no-progress"]
+    first = [str(a) for a in first]
+    assert train.main([*first, "--steps", "2", "--stop-at", "1"]) == 0
+    assert train.main([*first, "--steps", "2", "--resume"]) == 0
+    assert json.loads((out / "train_state.json").read_text())["step"] == 2
+    with pytest.raises(SystemExit):  # a real change is still refused
+        train.main([*first, "--steps", "3", "--resume", "--size", "32x48"])
+    assert "--size cannot change" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "export"])
+def test_unknown_task_is_one_line(command, capsys):
+    module = train if command == "train" else __import__("export")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["segmentation", "--data", "d", "-o", "out"] if command == "train" else ["segmentation", "-o", "x.onnx"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    tasks = heads.TASKS if command == "train" else (*heads.TASKS, "features")
+    choices = re.search(r"invalid choice: '?segmentation'? \(choose from ([^)]*)\)", err)
+    assert choices and sorted(re.findall(r"\w+", choices[1])) == sorted(tasks), err
+
+
+# ----------------------------------------------------------------------------------------------------
+# --random-init: offline runs without a checkpoint, which say their weights are random
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def tiny_preset(monkeypatch):
+    """A backbone preset as small as the tests' (the released sizes take seconds per step on a CPU)."""
+    import sapiens2
+
+    monkeypatch.setitem(sapiens2.PRESETS, "tiny", Sapiens2Config(32, 2, 2, **TINY_CONFIG))
+    return "tiny"
+
+
+def test_random_init_always_trains_offline_and_says_so(tiny_preset, tmp_path, capsys):
+    data = make_dataset("seg", tmp_path / "data", count=2)
+    out = tmp_path / "run"
+    argv = ["seg", "--data", data, "-o", out, "--model", "0.4b", "--random-init", "always", "--random-backbone",
+            tiny_preset, "--workers", 0, "--steps", 2, "--batch-size", 2, "--no-progress"]
+    assert train.main([str(a) for a in argv]) == 0
+    err = capsys.readouterr().err
+    assert err.count("RANDOM WEIGHTS for seg") == 2 and "random weights (--random-init)" in err  # before and after
+    assert read_log(out)[0]["random_weights"] is True
+    assert json.loads((out / "config.json").read_text())["sapiens2_training"]["random_start"] is True
+    assert weights.load(out).backbone.config.embed_dim == 32
+    assert train.main([str(a) for a in [*argv, "--resume", "--steps", 3]]) == 0  # its own checkpoint now
+    assert "RANDOM WEIGHTS" not in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["sapiens2_training"]["random_start"] is True
+
+
+def test_random_init_fallback_only_for_downloads(tiny_preset, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # (HF_HUB_OFFLINE is set for every test: conftest)
+    data = make_dataset("seg", tmp_path / "data", count=2)
+    common = ["seg", "--data", str(data), "--workers", "0", "--steps", "1", "--batch-size", "2", "--no-progress",
+              "--random-backbone", tiny_preset]
+    assert train.main([*common, "-o", str(tmp_path / "never"), "--model", "0.4b"]) == 2
+    assert "error: --model 0.4b: " in capsys.readouterr().err and not (tmp_path / "never").exists()
+    assert train.main([*common, "-o", str(tmp_path / "typo"), "--model", str(tmp_path / "nope.safetensors"),
+                       "--random-init", "fallback"]) == 2  # a local path is never replaced by random weights
+    assert "nope.safetensors" in capsys.readouterr().err
+    assert train.main([*common, "-o", str(tmp_path / "fallback"), "--model", "0.4b", "--random-init", "fallback"]) == 0
+    err = capsys.readouterr().err
+    assert "cannot load 0.4b" in err and "RANDOM WEIGHTS for seg" in err
+    assert any("cannot load 0.4b" in note for note in read_log(tmp_path / "fallback")[0]["notes"])
