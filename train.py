@@ -33,6 +33,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import heads
+import metadata
 import processing
 import safe_io
 import train_data
@@ -607,6 +608,7 @@ class Run:
         if args.fsdp and not dist.is_initialized():
             raise ModelError("--fsdp shards over torch.distributed processes: launch with torchrun "
                              "(torchrun --nproc-per-node N train.py ...)")
+        metadata.check_data_files()  # an incomplete installation stops here, before the data and the model
         self.info = train_data.dataset_info(args.task, Path(args.data))
         model, self.random = build_model(args, self.info, self.note)
         saved_info = json.loads((self.out / STATE_FILE).read_text())["info"] if args.resume else {}
@@ -819,7 +821,8 @@ class StopRequests:
         return dist_info.all_reduce(torch.tensor([float(self.requested)])).item() > 0
 
 
-USER_ERRORS = (train_data.DataError, processing.ImageLoadError, FileNotFoundError, ModelError)
+USER_ERRORS = (train_data.DataError, processing.ImageLoadError, FileNotFoundError, ModelError,
+               metadata.MissingDataError)
 
 
 def train(args, argv=None) -> int:

@@ -237,6 +237,19 @@ def test_resume_is_exact(backbone, tmp_path):
     assert not [p for out in (whole, split) for p in out.iterdir() if p.name.startswith(".")]  # no staging left
 
 
+def test_checkpoint_files_get_the_umask_mode(backbone, tmp_path):
+    """model.safetensors and optimizer.safetensors as readable as the run's other files (safetensors alone: 0600)."""
+    data = make_dataset("seg", tmp_path / "data")
+    old = os.umask(0o027)
+    try:
+        assert run_train("seg", data, tmp_path / "out", backbone, "--steps", 2) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir() if p.is_file()}
+    assert {"model.safetensors", "optimizer.safetensors", "config.json"} <= set(modes)
+    assert set(modes.values()) == {0o640}, modes
+
+
 def test_resume_refuses_changed_options(backbone, tmp_path, capsys):
     data = make_dataset("seg", tmp_path / "data", count=2)
     out = tmp_path / "run"
