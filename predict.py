@@ -422,7 +422,7 @@ def check_model_sources(specs: list[str]):
     task_presets = ", ".join(f"{task}-{'/'.join(sizes)}" for task, sizes in heads.HEAD_TABLE.items())  # seg-0.4b/1b
     for spec, source in named:
         bare_word = Path(source).name == source and not source.endswith(".safetensors")
-        if bare_word and not Path(source).exists() and not looks_like_preset_or_hub_id(source):
+        if bare_word and not Path(source).exists() and not weights.looks_like_preset_or_hub_id(source):
             raise UsageError(f"--model {spec}: no such file or folder, and not a model name; give a size "
                              f"({', '.join(PRESETS)}), a task preset ({task_presets}), a "
                              f".safetensors file, a checkpoint folder or a hub id (owner/name)")
