@@ -469,18 +469,24 @@ def multiscale_deformable_attention(value: torch.Tensor, shapes: list[tuple[int,
 
     value (B, S, h, d) with S = sum(H_l W_l), levels fine to coarse; locations (B, Q, h, P, 2) in [0, 1] (x, y)
     with P = sum(points), level l owning points[l] consecutive entries; weights_ (B, Q, h, P). -> (B, Q, h*d).
+
+    NOTE: sampled in float32 whatever the model's dtype, the result cast back (transformers samples in the model's
+    dtype). grid_sample computes the source coordinates and the bilinear weights in its input's dtype: in bf16 a
+    coordinate past 32 px moves in 0.25 px steps (23% error on a 20x20 map); and PyTorch's CPU kernel reads wrong
+    elements of bf16 maps whose offsets pass 2^15, as the per-head views of one image's memory do at the released
+    widths (NaN). tests/test_detect.py measures both.
     """
     B, S, heads, d = value.shape
     Q = locations.shape[1]
-    per_level = value.permute(0, 2, 3, 1).flatten(0, 1).split([h * w for h, w in shapes], dim=-1)  # (B*h, d, HW)
-    grids = (2 * locations - 1).to(value.dtype).permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*h, Q, P, 2)
+    per_level = value.float().permute(0, 2, 3, 1).flatten(0, 1).split([h * w for h, w in shapes], -1)  # (B*h, d, HW)
+    grids = (2 * locations.float() - 1).permute(0, 2, 1, 3, 4).flatten(0, 1)  # (B*h, Q, P, 2)
     grids = grids.split(points, dim=-2)  # per level (B*h, Q, P_l, 2)
     samples = [F.grid_sample(v.reshape(B * heads, d, h, w), g, mode="bilinear", padding_mode="zeros",
                              align_corners=False)  # (B*h, d, Q, P_l)
                for v, g, (h, w) in zip(per_level, grids, shapes)]
-    weights_ = weights_.permute(0, 2, 1, 3).reshape(B * heads, 1, Q, -1)
+    weights_ = weights_.float().permute(0, 2, 1, 3).reshape(B * heads, 1, Q, -1)
     out = (torch.cat(samples, dim=-1) * weights_).sum(-1)  # (B*h, d, Q)
-    return out.view(B, heads * d, Q).transpose(1, 2)
+    return out.view(B, heads * d, Q).transpose(1, 2).to(value.dtype)
 
 
 class DeformableAttention(nn.Module):

@@ -4,11 +4,14 @@ transformers' RTDetrImageProcessor, strict loading, and predict.py's --detector.
 Tolerances, and why:
 - raw logits and boxes: 1e-4 abs in fp32 (the issue's bound). Both sides run the same fp32 ops in the same
   order except a few reassociated products; measured <= 1.5e-6.
+- bf16 against fp32: at most 2x transformers' own bf16 drift on the same weights and input, + 2^-8 (bf16's unit
+  roundoff); the deformable attention's sampling within one bf16 rounding of its fp32 result.
 - post-processing: exact (the same float ops on the same logits), and 1e-4 px end to end from images.
 - preprocessing: 1e-6 against the stored transformers output (measured 0), one grey level (1/255) where this
   CPU resizes uint8 on a different kernel path than the machine that made the fixture (see test_processing).
 """
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -136,6 +139,98 @@ def test_bf16_runs_and_stays_close(saved):
         err = ((b.float() - a).abs().max() / a.abs().max()).item()
         print(f"bf16 encoder level {level}: max rel err {err:.2e}")
         assert err < 5e-2, f"level {level}: {err:.3g}"
+
+
+BF16_ROUNDOFF = 2.0**-8  # bf16's unit roundoff: one rounding moves a value by at most this, relative
+
+
+@pytest.mark.parametrize("batch, heads, dim, shapes", [(2, 4, 8, [(8, 12), (4, 6), (2, 3)]),  # the tiny configs'
+                                                       (1, 8, 32, [(20, 20), (10, 10)])])  # d_model 256, 8 heads
+def test_deformable_sampling_in_bf16_is_the_float32_one_rounded(batch, heads, dim, shapes):
+    """On bf16 values the deformable attention samples in float32, so its output is the float32 result on the same
+    values rounded once to bf16: within BF16_ROUNDOFF of it, relative, per element (+1e-6 for float32 noise).
+    Sampled in bf16 (grid_sample's source coordinates and weights in bf16) it was 6% of the largest output off on
+    the tiny maps, 23% on the 20x20 one; and with one image at the released widths (the per-head maps are strided
+    views), PyTorch's CPU kernel read wrong elements: NaN here."""
+    torch.manual_seed(0)
+    B, Q, points = batch, 50, [4] * len(shapes)
+    S = sum(h * w for h, w in shapes)
+    value = torch.randn(B, S, heads * dim).bfloat16().view(B, S, heads, dim)  # as DeformableAttention passes it
+    locations = torch.rand(B, Q, heads, sum(points), 2) * 1.2 - 0.1  # float32, some outside the map (zeros there)
+    attention = torch.randn(B, Q, heads, sum(points)).softmax(-1).bfloat16()
+    got = detect.multiscale_deformable_attention(value, shapes, locations, attention, points)
+    expected = detect.multiscale_deformable_attention(value.float(), shapes, locations, attention.float(), points)
+    assert got.dtype == torch.bfloat16
+    ratio = ((got.float() - expected).abs() / (BF16_ROUNDOFF * expected.abs() + 1e-6)).max().item()
+    print(f"heads {heads} x {dim}, maps {shapes}: max |bf16 - fp32| / bound {ratio:.3g}")
+    assert ratio <= 1, f"bf16 sampling off by {ratio:.3g} x one rounding"
+
+
+def selection_heads(model, pixels):
+    """(scores, box regressions) of the query selection at every encoder position (no top-k): the outputs of
+    `enc_score_head` and `enc_bbox_head`, named alike in both implementations."""
+    out, is_hf = {}, isinstance(model, transformers.PreTrainedModel)
+    hooks = [getattr(model.model if is_hf else model, name).register_forward_hook(
+        lambda m, i, o, name=name: out.update({name: o.float()})) for name in ("enc_score_head", "enc_bbox_head")]
+    with torch.no_grad():
+        model(pixel_values=pixels) if is_hf else model(pixels)
+    for hook in hooks:
+        hook.remove()
+    return out["enc_score_head"], out["enc_bbox_head"]
+
+
+def decoder_inputs(model, pixels):
+    """(queries, reference logits, memory, shapes) that DFine.forward hands its decoder."""
+    captured = {}
+    hook = model.decoder.register_forward_pre_hook(lambda m, args: captured.update(args=args))
+    with torch.no_grad():
+        model(pixels)
+    hook.remove()
+    return captured["args"]
+
+
+def run_decoder(model, queries, reference, memory, shapes, label=1):
+    """(person scores, boxes) of the last decoder layer, in float32, from either implementation's decoder."""
+    with torch.no_grad():
+        if isinstance(model, transformers.PreTrainedModel):
+            out = model.model.decoder(inputs_embeds=queries, encoder_hidden_states=memory, reference_points=reference,
+                                      spatial_shapes=torch.tensor(shapes), spatial_shapes_list=shapes)
+            logits, boxes = out.intermediate_logits[:, -1], out.intermediate_reference_points[:, -1]
+        else:
+            logits, boxes = model.decoder(queries, reference, memory, shapes)
+    return logits.float().sigmoid()[..., label], boxes.float()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_drift_is_within_transformers_own(saved, case):
+    """bf16 against fp32, beside transformers' own bf16 run on the same weights and input: ours may move by at most
+    twice what transformers' moves, plus BF16_ROUNDOFF (one rounding of a score, a box coordinate in [0, 1] or a
+    head output, relative). Compared where no top-k decides, so that the bound measures precision:
+    - the query selection's heads at every position (max error relative to the largest fp32 value);
+    - the decoder given the same queries, reference boxes and memory (rounded to bf16 for the bf16 runs): the
+      person scores (after the sigmoid) and the boxes (normalized cxcywh).
+    End to end, a bf16 near-tie in the top-k selects or orders the queries otherwise, in both implementations:
+    compared query slot by query slot, that moved person scores by up to ~0.1 in both (not a precision loss)."""
+    hf, folder = saved[case]
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    ours, ours16 = detect.load(folder).model, detect.load(folder, dtype="bf16").model
+    pixels = detect.preprocess(images_of([(60, 80), (90, 40), (64, 96)], seed=2), INPUT)
+    drift = {}
+    for name, fp32, bf16 in (("hf", hf, hf16), ("ours", ours, ours16)):
+        for part, a, b in zip(("selection scores", "selection boxes"), selection_heads(fp32, pixels),
+                              selection_heads(bf16, pixels.bfloat16())):
+            drift[name, part] = ((b - a).abs().max() / a.abs().max()).item()
+    queries, reference, memory, shapes = decoder_inputs(ours, pixels)
+    rounded = [t.bfloat16() for t in (queries, reference, memory)]
+    for name, fp32, bf16 in (("hf", hf, hf16), ("ours", ours, ours16)):
+        expected = run_decoder(fp32, queries, reference, memory, shapes)
+        got = run_decoder(bf16, *rounded, shapes)
+        for part, a, b in zip(("person scores", "boxes"), expected, got):
+            drift[name, part] = (b - a).abs().max().item()
+    for part in ("selection scores", "selection boxes", "person scores", "boxes"):
+        ours_drift, hf_drift = drift["ours", part], drift["hf", part]
+        print(f"{case} {part}: bf16 drift ours {ours_drift:.2e}, transformers {hf_drift:.2e}")
+        assert ours_drift <= 2 * hf_drift + BF16_ROUNDOFF, f"{part}: {ours_drift:.3g} vs transformers {hf_drift:.3g}"
 
 
 # ----------------------------------------------------------------------------------------------------
