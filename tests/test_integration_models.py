@@ -145,8 +145,10 @@ def test_a_head_with_outputs_below_the_target_size_is_refused_before_training(tm
     (data / "classes.json").write_text(json.dumps(SEG_NAMES))
     assert fine_tune(data, tmp_path / "run", hf_dir) == 2
     err = capsys.readouterr().err
-    assert f"{hf_dir}: this seg head has 2 upsampling layers" in err and "--head 16,16,16,16:16" in err, err
-    assert fine_tune(data, tmp_path / "run2", hf_dir, "--head", "16,16,16,16:16") == 0  # the way out it names
+    assert f"{hf_dir}: this seg head has 2 upsampling layers" in err, err
+    hint = re.search(r"e\.g\. --head (\S+) \(the default head for this backbone\)", err)
+    assert hint and len(hint[1].split(":")[0].split(",")) == 4, err  # 4 upsampling layers: outputs at full size
+    assert fine_tune(data, tmp_path / "run2", hf_dir, "--head", hint[1]) == 0  # the way out it names
 
 
 def test_pose_run_fine_tunes_on_another_keypoint_set(trained, tmp_path):
