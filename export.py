@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Export a Sapiens2 model as a deployable artifact, and check it against eager PyTorch before keeping it.
 
     python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16]
@@ -6,7 +7,7 @@
 
 The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `processing.preprocess` makes it (any
 --dtype casts it inside), and returns the task's tensors by name (OUTPUTS). Post-processing stays in Python
-(processing.py); the README shows the lines for an ONNX model.
+(processing.py); docs/export.md shows the lines for an ONNX model.
 
 Formats
   onnx          torch.onnx.export(dynamo=True) at opset 18 (ONNX Runtime >= 1.14; TensorRT 10, untried); needs onnx,
@@ -47,12 +48,14 @@ import torch
 from torch import nn
 
 import heads
-import safe_io
 import weights
-from predict import CONVENTIONS, OneLineErrorParser, model_source, parse_size
 from sapiens2 import PRESETS, Sapiens2
+from sapiens2_app import safe_io
+from sapiens2_app.artefacts import TASKS
+from sapiens2_app.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
+                              parse_size)
+from sapiens2_app.models import CONVENTIONS, RANDOM_INIT, load_or_random, model_source, random_weights_banner
 
-TASKS = ("pose", "seg", "normal", "pointmap", "matting", "albedo", "features")
 # The outputs of each task, in the order of the artifact's outputs (names of the task model's output fields).
 OUTPUTS = {
     "pose": ("heatmaps",), "seg": ("logits",), "normal": ("normals",), "pointmap": ("pointmaps", "scales"),
@@ -80,10 +83,6 @@ BF16_ROPE_TOLERANCE = 2e-3
 def tolerance(dtype: torch.dtype, rope_dtype: str) -> float:
     return max(TOLERANCE[dtype], BF16_ROPE_TOLERANCE) if rope_dtype == "bfloat16" else TOLERANCE[dtype]
 ONNX_PACKAGES = "pip install onnx onnxscript onnxruntime"
-
-
-class UsageError(Exception):
-    """Bad arguments or environment: exit status 2, one line on stderr."""
 
 
 class CheckFailed(Exception):
@@ -120,7 +119,7 @@ def load_model(task: str, source: str, dtype: torch.dtype, rope: str, random_ini
         return heads.random_model(task, source, random_backbone, **overrides).to(dtype)
 
     try:
-        model, random = weights.load_or_random(source, random_init, checkpoint, random_weights)
+        model, random = load_or_random(source, random_init, checkpoint, random_weights)
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
     if task == "features" and isinstance(model, heads.Sapiens2ForTask):
@@ -138,10 +137,9 @@ def check_size(model: nn.Module, task: str, size: tuple[int, int]):
         backbone_of(model).check_input(torch.empty(1, 3, *size, device="meta"))
     except ValueError as error:
         raise UsageError(f"--size: {error}") from None
-    if task == "pointmap" and tuple(size) != tuple(config.image_size):
-        h, w = config.image_size
-        raise UsageError(f"--size {size[0]}x{size[1]}: the pointmap scale branch was built for {h}x{w} inputs "
-                         f"(its MLP's width fixes the size); export it at {h}x{w}")
+    head = getattr(model, "head_config", None)
+    if head is not None and (problem := heads.scale_branch_problem(head, size, config.size_multiple)):
+        raise UsageError(f"--size {size[0]}x{size[1]}: {problem}")
 
 
 @contextlib.contextmanager
@@ -343,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="as predict.py: original = RoPE in bf16 as trained (default); transformers = RoPE in "
                              "fp32 as HF transformers. Preprocessing is outside the artifact: make its input with "
                              "processing.preprocess(..., resample='hf') for the transformers conventions")
-    parser.add_argument("--random-init", choices=weights.RANDOM_INIT, default="never",
+    parser.add_argument("--random-init", choices=RANDOM_INIT, default="never",
                         help="random weights instead of --model's checkpoint: 'fallback' when its download fails, "
                              "'always' without trying (offline smoke tests; the artifact's outputs are meaningless "
                              "and its metadata says random_weights)")
@@ -408,20 +406,25 @@ def export(args) -> dict[str, float]:
 
 
 def random_banner(task: str, random_init: str) -> str:
-    return weights.random_weights_banner(task, random_init, "The artifact runs end to end, but its outputs are "
+    return random_weights_banner(task, random_init, "The artifact runs end to end, but its outputs are "
                                          "MEANINGLESS (its metadata says random_weights).")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        export(args)
+        with StopSignals():  # SIGTERM as Ctrl-C: the staging folder is removed either way
+            export(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except CheckFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as stop:
+        print(f"\n{'terminated' if isinstance(stop, Terminated) else 'interrupted'}: the export did not finish; "
+              f"nothing half-written is left", file=sys.stderr)
+        return TERMINATED if isinstance(stop, Terminated) else INTERRUPTED
     return 0
 
 

@@ -1,30 +1,38 @@
-"""Pre- and post-processing for every Sapiens2 task, plus visualizations and COCO export.
+"""Pre- and post-processing for every Sapiens2 task, and the keypoint/class metadata they share with heads.py.
 
-Images in, tensors out; model outputs in, results and pictures out. torch + numpy + pillow only, no model code
-(the default input and patch size are read from sapiens2.Sapiens2Config, their one home).
+Images in, tensors out; model outputs in, results out (pictures of them: sapiens2_app/pictures.py; COCO files:
+sapiens2_app/formats.py). torch + numpy + pillow only, no model code (the default input and patch size are read
+from sapiens2.Sapiens2Config, their one home).
 
-Conventions
+Data layout
 - An image is a `(3, H, W)` tensor, uint8 (0..255) or float32 (0..255 scale). Sizes are `(height, width)`.
 - Boxes are COCO `xywh` in source-image pixels (what HF takes); results report `xyxy`.
 - Every step runs on the device of its input (or `device=`); nothing goes back to the CPU except the
   small per-image bookkeeping (sizes, paddings) that lives in Python lists.
 
-Which reference each behaviour follows (see shared spec/checkpoints.md section e)
-- `resample="hf"` (default): transformers 5.23 `Sapiens2ImageProcessor`, which resizes with torchvision's
-  antialiased bilinear filter and crops people with `grid_sample`. Matched numerically (tests/test_processing.py).
-- `resample="original"`: the demo scripts' OpenCV resampling (INTER_AREA / INTER_CUBIC / INTER_LINEAR, uint8
-  warps), what the released weights were trained with. OpenCV is not a dependency: these are float versions of
-  OpenCV's kernels and coefficients, computed the same on CPU and GPU; they differ from OpenCV's fixed-point
-  arithmetic by at most 1 grey level (tests/test_processing.py checks against opencv-python; pose crops against
-  an exact float warp with the original's matrix, since OpenCV snaps warp coordinates to 1/32 pixel).
-- Where HF is silent (flip-back of heatmaps, pointmap pre-smoothing, renormalising normals after the resize,
-  visualization), the original demos are followed and the docstring says so.
+Two conventions (docs/checkpoints.md, pre/post-processing of the original). The defaults are the original's,
+the one the released weights were trained with, as weights.load's RoPE default (bf16) is; one argument switches
+each place to transformers': `resample="hf"` (preprocess, preprocess_crops, crop_people) and `smooth=False`
+(postprocess_pointmap), with `weights.load(..., rope_dtype="float32")` for the model.
+- `resample="original"` (default): the demo scripts' OpenCV resampling (INTER_AREA / INTER_CUBIC / INTER_LINEAR,
+  uint8 warps). OpenCV is not a dependency: these are float versions of OpenCV's kernels and coefficients,
+  computed the same on CPU and GPU; they differ from OpenCV's fixed-point arithmetic by at most 1 grey level
+  (tests/test_processing.py checks against opencv-python; pose crops against an exact float warp with the
+  original's matrix, since OpenCV snaps warp coordinates to 1/32 pixel).
+- `resample="hf"`: transformers 5.23 `Sapiens2ImageProcessor`, which resizes with torchvision's antialiased
+  bilinear filter and crops people with `grid_sample`. Matched numerically (tests/test_processing.py).
+- `smooth=True` (default): the original pointmap demo's Gaussian pre-smoothing before upsampling; HF has none.
+- Where HF is silent (flip-back of heatmaps), the original demos are followed and the docstring says so.
+  `postprocess_normals` renormalises after the resize, which neither does (`renormalize=False` to match both).
 
-Metadata (skeleton, colours, flip indices, palette) is read from `data/keypoints308.json` and `data/seg29.json`.
+Metadata (names, skeleton, colours, flip pairs, palette, class weights) is read from `data/keypoints308.json` and
+`data/seg29.json` (installed as the package sapiens2_data).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,9 +42,8 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
-from metadata import flip_heatmaps_back, keypoint_metadata, segmentation_metadata  # noqa: F401 (re-exported)
 from sapiens2 import Sapiens2Config  # (only its defaults: the input and patch size live there)
 
 MODEL_SIZE = Sapiens2Config.image_size  # (height, width) the released checkpoints were trained at
@@ -50,13 +57,83 @@ DARK_BLUR_KERNEL = 11  # cv2.GaussianBlur(k=11, sigma=0) in the original UDP dec
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Metadata
+# Metadata: keypoints and classes (stored once, in data/*.json), and the flip mapping of mirrored heatmaps
 # ----------------------------------------------------------------------------------------------------------------
+DATA_FILES = ("keypoints308.json", "seg29.json", "openpose.json")
+INSTALLED_DATA = "sapiens2_data"  # what `pip install` names data/ in site-packages (pyproject.toml's package-dir)
+
+
+def find_data_dir() -> Path:
+    """data/ beside this file (a checkout, or an editable install), else the installed copy."""
+    beside = Path(__file__).resolve().parent / "data"
+    if beside.is_dir():
+        return beside
+    spec = importlib.util.find_spec(INSTALLED_DATA)
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else beside
+
+
+DATA_DIR = find_data_dir()
+
+
+class MissingDataError(RuntimeError):
+    """A data file of the package is missing or unreadable: the installation is incomplete."""
+
+
+def read_data(name: str) -> dict:
+    path = DATA_DIR / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise MissingDataError(
+            f"sapiens2's data file {path} cannot be read ({type(error).__name__}: {error}): the installation is "
+            f"incomplete; reinstall it (pip install --force-reinstall PATH_TO_THE_CHECKOUT) or run from the checkout"
+        ) from None
+
+
+def check_data_files():
+    """Read every data file now, so that a broken installation stops a command before any model loads."""
+    for name in DATA_FILES:
+        read_data(name)
+
+
+@lru_cache(maxsize=None)
+def keypoint_metadata() -> dict:
+    """The 308 keypoints: names, RGB colours, skeleton, flip indices/pairs, COCO-WholeBody mapping."""
+    return read_data("keypoints308.json")
+
+
+@lru_cache(maxsize=None)
+def segmentation_metadata() -> dict:
+    """The 29 body-part classes: names, RGB palette, training class weights."""
+    return read_data("seg29.json")
+
+
+def flip_pairs(device=None) -> torch.Tensor:
+    """(146, 2) left/right keypoint pairs of the 308 (the other 16 keypoints are their own mirror)."""
+    return torch.tensor(keypoint_metadata()["flip_pairs"], device=device)
+
+
+def flip_heatmaps_back(heatmaps: torch.Tensor, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """Heatmaps of a mirrored image -> heatmaps of the image: swap left/right channels, mirror x.
+    No half-pixel shift is needed with UDP heatmaps. `pairs` (P, 2) defaults to the 308-keypoint pairs."""
+    pairs = flip_pairs(heatmaps.device) if pairs is None else torch.as_tensor(pairs, device=heatmaps.device)
+    order = torch.arange(heatmaps.shape[1], device=heatmaps.device)
+    if pairs.numel() and int(pairs.max()) >= heatmaps.shape[1]:
+        raise ValueError(f"flip pairs index keypoint {int(pairs.max())}, heatmaps have {heatmaps.shape[1]} channels")
+    order[pairs[:, 0]], order[pairs[:, 1]] = pairs[:, 1], pairs[:, 0]
+    return heatmaps[:, order].flip(-1)
+
+
 @lru_cache(maxsize=None)
 def coco17_indices() -> tuple[int, ...]:
     """Indices into the 308 keypoints of the 17 COCO body keypoints, in COCO order (wrists are 62 and 41)."""
     mapping = dict(keypoint_metadata()["coco_wholebody_to_keypoints308"])
     return tuple(mapping[i] for i in range(17))
+
+
+def coco17_names() -> tuple[str, ...]:
+    """COCO's 17 body keypoint names in COCO order (nose, left_eye, ...), as the 308 set spells them."""
+    return tuple(keypoint_metadata()["keypoint_names"][k] for k in coco17_indices())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -343,15 +420,15 @@ class ModelInputs:
         return cls(None, sizes, content, tuple(size))
 
 
-def preprocess(images, size: tuple[int, int] = MODEL_SIZE, pad: bool = False, resample: str = "hf",
+def preprocess(images, size: tuple[int, int] = MODEL_SIZE, pad: bool = False, resample: str = "original",
                device=None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> ModelInputs:
     """Images -> model input.
 
     `pad=False`: plain resize to `size` ignoring the aspect ratio (HF default; original seg demo).
     `pad=True`: aspect-preserving resize (`int()` of the scaled sides) then centred zero padding in raw pixel
     space (so padding normalises to -mean/std): HF `do_pad=True`, original normal/pointmap/albedo demos.
-    `resample`: "hf" (antialiased bilinear) or "original" (seg: INTER_AREA when the width shrinks else
-    INTER_CUBIC; padded tasks: INTER_LINEAR).
+    `resample`: "original" (default, as the weights were trained; seg: INTER_AREA when the width shrinks else
+    INTER_CUBIC; padded tasks: INTER_LINEAR) or "hf" (transformers': antialiased bilinear).
     """
     _check_model_size(size)
     images = [image.to(device) if device is not None else image for image in load_images(images)]
@@ -430,13 +507,13 @@ def crop_geometry(boxes_xywh: torch.Tensor, size: tuple[int, int] = MODEL_SIZE, 
 
 
 def crop_people(image: torch.Tensor, boxes_xywh, size: tuple[int, int] = MODEL_SIZE,
-                padding: float = CROP_PADDING, resample: str = "hf") -> torch.Tensor:
+                padding: float = CROP_PADDING, resample: str = "original") -> torch.Tensor:
     """One image, N boxes -> `(N, 3, H, W)` float crops on a 0..255 scale (not normalised).
 
     UDP geometry (`out = s * (in - center + crop / 2)`, `s = (size - 1) / crop`), sampled with
     `grid_sample(align_corners=True)`, zeros outside: bilinear when the crop shrinks (min(sx, sy) < 1),
-    bicubic otherwise. "hf" keeps float values (HF `crop_and_resize`); "original" rounds and saturates to uint8
-    like `cv2.warpAffine` on a uint8 image (whose INTER_AREA falls back to INTER_LINEAR).
+    bicubic otherwise. "original" (default) rounds and saturates to uint8 like `cv2.warpAffine` on a uint8 image
+    (whose INTER_AREA falls back to INTER_LINEAR); "hf" keeps float values (HF `crop_and_resize`).
     """
     boxes = torch.as_tensor(boxes_xywh, dtype=torch.float32, device=image.device).reshape(-1, 4)
     centers, crops = crop_geometry(boxes, size, padding)
@@ -471,8 +548,9 @@ def _crop_grids(centers, crops, size, image_size):
 
 
 def preprocess_crops(images, boxes, size: tuple[int, int] = MODEL_SIZE, padding: float = CROP_PADDING,
-                     resample: str = "hf", device=None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> ModelInputs:
-    """Images + per-image person boxes (COCO xywh lists, several per image) -> one row per person.
+                     resample: str = "original", device=None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> ModelInputs:
+    """Images + per-image person boxes (COCO xywh lists, several per image) -> one row per person, cropped by
+    `crop_people` (`resample`: "original" by default, "hf" for transformers').
 
     Without boxes the original demo uses the whole image, box xyxy `[0, 0, W - 1, H - 1]`: pass
     `[[0, 0, W - 1, H - 1]]` for that image.
@@ -492,83 +570,6 @@ def preprocess_crops(images, boxes, size: tuple[int, int] = MODEL_SIZE, padding:
     pixel_values = normalize(torch.cat(crops), mean, std)
     return ModelInputs(pixel_values, sizes, [(0, 0, *size)] * len(sizes), tuple(size), torch.cat(all_boxes),
                        image_indices, len(images))
-
-
-# --- training targets -------------------------------------------------------------------------------------------
-def pose_heatmap_targets(boxes, keypoints, size: tuple[int, int] = MODEL_SIZE, downscale: int = HEATMAP_DOWNSCALE,
-                         sigma: float = HEATMAP_SIGMA, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """UDP Gaussian heatmaps for training, one row per person (HF `generate_udp_gaussian_heatmaps`).
-
-    boxes: per image, a list of COCO xywh boxes. keypoints: per image, per person, `(K, 3)` `[x, y, visibility]`
-    in image pixels (or `(K, 2)`: all visible). Returns heatmaps `(N, K, H/downscale, W/downscale)` and weights
-    `(N, K)`: 1 for a visible keypoint whose 3-sigma window touches the heatmap, else 0 (its map is all zero).
-    """
-    flat_boxes = [box for image_boxes in boxes for box in image_boxes]
-    flat_keypoints = [person for image_keypoints in keypoints for person in image_keypoints]
-    if len(flat_boxes) != len(flat_keypoints):
-        raise ValueError(f"got {len(flat_boxes)} boxes but keypoints for {len(flat_keypoints)} people")
-    height, width = size[0] // downscale, size[1] // downscale
-    centers, crops = crop_geometry(torch.tensor(flat_boxes, dtype=torch.float32, device=device).reshape(-1, 4), size)
-    people = torch.tensor(np.asarray(flat_keypoints, dtype=np.float32), device=device)  # (N, K, 2 or 3)
-    visible = people[..., 2] > 0 if people.shape[-1] > 2 else torch.ones(people.shape[:2], dtype=torch.bool,
-                                                                              device=device)
-    heatmap_extent = torch.tensor([width - 1, height - 1], dtype=torch.float32, device=device)
-    # image pixels -> heatmap pixels, the inverse of the decoder's mapping
-    mu = ((people[..., :2] - centers[:, None]) / crops[:, None] + 0.5) * heatmap_extent  # (N, K, 2)
-    grid_y = torch.arange(height, dtype=torch.float32, device=device).view(1, 1, -1, 1)
-    grid_x = torch.arange(width, dtype=torch.float32, device=device).view(1, 1, 1, -1)
-    mu_x, mu_y = mu[..., 0, None, None], mu[..., 1, None, None]  # (N, K, 1, 1)
-    heatmaps = torch.exp(-((grid_x - mu_x) ** 2 + (grid_y - mu_y) ** 2) / (2 * sigma**2))
-    # Truncate to the 3-sigma window around the rounded centre; drop keypoints whose window misses the map.
-    # NOTE: `.to(int64)` truncates towards zero (not floor) for negative coordinates, as in HF and mmpose.
-    radius = int(sigma * 3)
-    center_px = (mu + 0.5).to(torch.int64)
-    left, top = center_px[..., 0] - radius, center_px[..., 1] - radius
-    right, bottom = center_px[..., 0] + radius + 1, center_px[..., 1] + radius + 1
-    inside = ~((left >= width) | (top >= height) | (right < 0) | (bottom < 0))
-    weights = (visible & inside).float()
-    window = ((grid_x >= left[..., None, None]) & (grid_x < right[..., None, None])
-              & (grid_y >= top[..., None, None]) & (grid_y < bottom[..., None, None]))
-    return heatmaps * weights[..., None, None] * window, weights
-
-
-def preprocess_segmentation_maps(maps, size: tuple[int, int] = MODEL_SIZE, pad: bool = False,
-                                 reduce_labels: bool = False, resample: str = "nearest", pad_value: int = 0,
-                                 device=None) -> torch.Tensor:
-    """Label maps (`(H, W)` arrays/tensors or PIL "L"/"P" images) -> `(B, H, W)` int64 training targets.
-
-    `reduce_labels`: 0 -> 255 (ignored), every other label minus 1 (HF `do_reduce_labels`, before resizing).
-    `resample="nearest"` (default) keeps labels valid. `resample="hf"` reproduces HF exactly, which resizes label
-    maps with the image filter (antialiased bilinear on uint8), so boundary pixels get blended, invalid ids.
-    `pad`: as `preprocess(pad=True)`; use `pad_value=255` to ignore the padding in the loss (HF pads with 0).
-    """
-    if not isinstance(maps, (list, tuple)):
-        maps = [maps]
-    method = {"nearest": "nearest", "hf": "bilinear_antialias"}.get(resample)
-    if method is None:
-        raise ValueError(f"resample must be 'nearest' or 'hf', got {resample!r}")
-    out = []
-    for label_map in maps:
-        labels = torch.as_tensor(np.array(label_map)) if not isinstance(label_map, torch.Tensor) else label_map
-        labels = labels.to(device) if device is not None else labels
-        if labels.ndim != 2:
-            raise ValueError(f"segmentation map must be (H, W), got shape {tuple(labels.shape)}")
-        if reduce_labels:
-            labels = _reduce_labels(labels)
-        # integer maps stay integer: resize rounds them as torchvision does (float maps are truncated below, as HF)
-        if pad:
-            top, left, bottom, right = resized_content_box(tuple(labels.shape), size)
-            labels = resize(labels[None], (bottom - top, right - left), method)[0]
-            labels = F.pad(labels, (left, size[1] - right, top, size[0] - bottom), value=pad_value)
-        else:
-            labels = resize(labels[None], size, method)[0]
-        out.append(labels.to(torch.int64))
-    return torch.stack(out)
-
-
-def _reduce_labels(labels: torch.Tensor) -> torch.Tensor:
-    labels = labels.long()
-    return torch.where(labels == 0, 255, torch.where(labels == 255, 255, labels - 1)).to(torch.uint8)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -623,13 +624,14 @@ def postprocess_normals(normals: torch.Tensor, inputs: ModelInputs | None = None
 
 
 def postprocess_pointmap(pointmaps: torch.Tensor, scales: torch.Tensor | None = None,
-                         inputs: ModelInputs | None = None, target_sizes=None, smooth: bool = False) -> list[dict]:
+                         inputs: ModelInputs | None = None, target_sizes=None, smooth: bool = True) -> list[dict]:
     """Pointmaps `(B, 3, H, W)` + scales `(B, 1)` -> per image `{"pointmap": (3, h, w), "depth": (h, w)}`.
 
     The network predicts XYZ for a canonical camera (focal 768 px); dividing by the predicted scale
     (= f_canonical / f_actual) gives metric coordinates. Then padding is removed and the map resized
-    bilinearly (HF). `smooth=True` adds the original demo's pre-smoothing: when upsampling, a 3x3 Gaussian
-    (sigma 0.8, reflect border) is applied 4 times before the resize. Depth is the Z channel.
+    bilinearly. `smooth=True` (default) is the original demo's pre-smoothing: when upsampling, a 3x3 Gaussian
+    (sigma 0.8, reflect border) is applied 4 times before the resize; `smooth=False` is HF's (none). Depth is
+    the Z channel.
     """
     if scales is not None:
         pointmaps = pointmaps / scales.reshape(-1, 1, 1, 1)
@@ -835,184 +837,14 @@ def _flatten_boxes(boxes, device):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Visualization (all return PIL images)
+# Post-processing: masks and attention maps (Sapiens2.forward(..., attentions=[block, ...]))
 # ----------------------------------------------------------------------------------------------------------------
-def to_pil(image) -> Image.Image:
-    """`(3, H, W)` uint8 tensor, or anything `load_image` reads -> RGB PIL image."""
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    return Image.fromarray(load_image(image).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy())
-
-
-def draw_pose(image, people: list[dict], keypoint_set: str = "308", threshold: float = 0.3,
-              radius: int | None = None, thickness: int | None = None, names: Sequence[str] | None = None
-              ) -> Image.Image:
-    """Skeleton over the image with the original colours (links then keypoints; only points with
-    score > threshold, as `kpt_thr` in vis_pose.py). `keypoint_set="coco17"` draws the 17 COCO body keypoints
-    and the links of the 308 skeleton between them. Radius/thickness default to ~0.5% of the image size.
-    `names`: the keypoint names of a model with a set of its own (people's labels index them; `keypoint_set`
-    is then ignored): the 308 names draw the 308 skeleton, exactly COCO's 17 names the COCO-17 one, any other
-    set its points only (distinct colours), as no skeleton is known for it.
-    """
-    canvas = to_pil(image).copy()
-    draw = ImageDraw.Draw(canvas)
-    radius = radius or max(2, round(min(canvas.size) / 200))
-    thickness = thickness or max(1, radius // 2)
-    links, link_colors, point_ids, point_colors = _skeleton(keypoint_set) if names is None else _skeleton_of(names)
-    for person in people:
-        points = _visible_points(person, threshold)
-        for (a, b), color in zip(links, link_colors):
-            if a in points and b in points:
-                draw.line([points[a], points[b]], fill=tuple(color), width=thickness)
-        for k, color in zip(point_ids, point_colors):
-            if k in points:
-                x, y = points[k]
-                draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=tuple(color))
-    return canvas
-
-
-def _skeleton(keypoint_set: str):
-    meta = keypoint_metadata()
-    links, link_colors = meta["skeleton_links"], meta["skeleton_link_colors"]
-    if keypoint_set == "308":
-        return links, link_colors, range(meta["num_keypoints"]), meta["keypoint_colors"]
-    if keypoint_set == "coco17":
-        subset = set(coco17_indices())
-        kept = [(link, color) for link, color in zip(links, link_colors) if set(link) <= subset]
-        return ([l for l, _ in kept], [c for _, c in kept], coco17_indices(),
-                [meta["keypoint_colors"][k] for k in coco17_indices()])
-    raise ValueError(f"keypoint_set must be '308' or 'coco17', got {keypoint_set!r}")
-
-
-def coco17_names() -> tuple[str, ...]:
-    """COCO's 17 body keypoint names in COCO order (nose, left_eye, ...), as the 308 set spells them."""
-    return tuple(keypoint_metadata()["keypoint_names"][k] for k in coco17_indices())
-
-
-def _skeleton_of(names: Sequence[str]):
-    """`_skeleton` in the indexing of a model's own keypoint `names`."""
-    names = tuple(names)
-    if names == tuple(keypoint_metadata()["keypoint_names"]):
-        return _skeleton("308")
-    if names == coco17_names():
-        links, link_colors, ids, colors = _skeleton("coco17")
-        position = {k: i for i, k in enumerate(ids)}  # 308 index -> COCO index
-        return [[position[a], position[b]] for a, b in links], link_colors, range(len(ids)), colors
-    return [], [], range(len(names)), distinct_colors(len(names))  # no known skeleton: points only
-
-
-def distinct_colors(count: int) -> list[tuple[int, int, int]]:
-    """`count` deterministic, pairwise distinct RGB colours: hues a golden-ratio step apart, three brightness
-    levels (distinct up to 4096 colours)."""
-    colors, seen = [], set()
-    for i in range(10 * count + 100):
-        if len(colors) == count:
-            break
-        hue, value = (i * 0.6180339887) % 1.0, (1.0, 0.75, 0.5)[(i // 7) % 3]
-        color = tuple(round(255 * c) for c in _hsv_to_rgb(hue, 0.75, value))
-        if color not in seen:
-            seen.add(color)
-            colors.append(color)
-    if len(colors) < count:
-        raise ValueError(f"cannot make {count} distinct colours")
-    return colors
-
-
-def _hsv_to_rgb(h: float, s: float, v: float) -> tuple[float, float, float]:
-    i, f = int(h * 6) % 6, (h * 6) % 1
-    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
-    return [(v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q)][i]
-
-
-def segmentation_palette(num_classes: int = 29) -> list[tuple[int, int, int]]:
-    """One RGB colour per class: the released palette for the released 29 classes, else `distinct_colors`
-    (a fine-tune's classes are not the released ones, so they do not borrow their colours)."""
-    colors = segmentation_metadata()["palette_rgb"]
-    return [tuple(c) for c in colors] if num_classes == len(colors) else distinct_colors(num_classes)
-
-
-def _visible_points(person: dict, threshold: float) -> dict[int, tuple[float, float]]:
-    keypoints, scores, labels = (person[k].detach().cpu().tolist() for k in ("keypoints", "scores", "labels"))
-    return {int(k): tuple(xy) for k, xy, s in zip(labels, keypoints, scores) if s > threshold}
-
-
-def colorize_segmentation(segmentation: torch.Tensor, num_classes: int = 29) -> torch.Tensor:
-    """`(H, W)` class ids -> `(3, H, W)` uint8 colours of `segmentation_palette(num_classes)` (ids outside
-    [0, num_classes) are black)."""
-    colors = torch.tensor(segmentation_palette(num_classes), dtype=torch.uint8, device=segmentation.device)
-    palette = torch.cat([colors, torch.zeros(1, 3, dtype=torch.uint8, device=segmentation.device)])
-    ids = segmentation.long()
-    ids = torch.where((ids >= 0) & (ids < num_classes), ids, num_classes)  # outside: the black last row
-    return palette[ids].permute(2, 0, 1)
-
-
-def overlay_segmentation(image, segmentation: torch.Tensor, opacity: float = 0.5, num_classes: int = 29
-                         ) -> Image.Image:
-    """Palette colours blended over the image, `(1 - opacity) * image + opacity * colour`, rounded
-    (cv2.addWeighted in the original SegVisualizer, opacity 0.5). `num_classes`: the model's class count
-    (`segmentation_palette`)."""
-    image = load_image(image).float().to(segmentation.device)
-    if image.shape[-2:] != segmentation.shape[-2:]:
-        raise ValueError(f"image is {tuple(image.shape[-2:])} but the segmentation is {tuple(segmentation.shape)}")
-    blended = (1 - opacity) * image + opacity * colorize_segmentation(segmentation, num_classes).float()
-    return to_pil(blended.round().clamp(0, 255).to(torch.uint8))
-
-
 def foreground_mask(segmentation: torch.Tensor, background_classes: Sequence[int] = (0,)) -> torch.Tensor:
     """`(H, W)` bool mask of pixels whose class is not background (for masking normal/depth maps)."""
     background = torch.tensor(list(background_classes), device=segmentation.device)
     return ~torch.isin(segmentation, background)
 
 
-def normals_to_image(normals: torch.Tensor, mask: torch.Tensor | None = None,
-                     background=(0, 0, 0)) -> Image.Image:
-    """Unit normals `(3, H, W)` -> RGB image `(n + 1) / 2 * 255` (x, y, z -> R, G, B, original vis_normal.py);
-    pixels outside `mask` get the `background` colour."""
-    rgb = ((normals.float() + 1) / 2 * 255).clamp(0, 255).to(torch.uint8)
-    return to_pil(_apply_mask(rgb, mask, background))
-
-
-def depth_to_image(depth: torch.Tensor, mask: torch.Tensor | None = None, background=(0, 0, 0)) -> Image.Image:
-    """Depth `(H, W)` -> turbo-coloured RGB image, near = red, far = blue, min/max over the masked pixels."""
-    valid = torch.isfinite(depth) if mask is None else (mask.bool() & torch.isfinite(depth))
-    if not valid.any():
-        raise ValueError("depth_to_image: no valid depth pixels (mask empty or depth not finite)")
-    near, far = depth[valid].min(), depth[valid].max()
-    closeness = ((far - depth) / (far - near).clamp(min=1e-8)).clamp(0, 1).nan_to_num(0)
-    rgb = turbo_colormap(closeness)
-    return to_pil(_apply_mask(rgb, valid, background))
-
-
-def turbo_colormap(values: torch.Tensor) -> torch.Tensor:
-    """Values in [0, 1] `(H, W)` -> `(3, H, W)` uint8 Turbo colours (blue -> green -> yellow -> red)."""
-    anchors = torch.tensor(TURBO_ANCHORS, dtype=torch.float32, device=values.device)  # (33, 3)
-    position = values.float().clamp(0, 1).nan_to_num(0) * (len(TURBO_ANCHORS) - 1)
-    low = position.floor().long().clamp(max=len(TURBO_ANCHORS) - 2)
-    fraction = (position - low)[..., None]
-    rgb = anchors[low] * (1 - fraction) + anchors[low + 1] * fraction  # (H, W, 3), linear between anchors
-    return rgb.round().to(torch.uint8).permute(2, 0, 1)
-
-
-# Turbo (Mikhailov 2019, Google, Apache-2.0) sampled at 33 evenly spaced points of its published 256-entry
-# table; linear interpolation between them reproduces every table entry to within 2 grey levels.
-TURBO_ANCHORS = (
-    (48, 18, 59), (57, 42, 115), (64, 64, 161), (68, 86, 199), (70, 107, 227), (70, 127, 246), (66, 147, 255),
-    (55, 167, 250), (41, 187, 236), (29, 205, 216), (24, 220, 195), (30, 232, 176), (49, 242, 153),
-    (76, 249, 126), (107, 253, 100), (138, 255, 77), (163, 253, 60), (184, 247, 53), (204, 237, 52),
-    (222, 224, 55), (237, 208, 58), (248, 192, 58), (253, 174, 53), (254, 152, 44), (251, 128, 34),
-    (245, 104, 23), (236, 82, 15), (224, 64, 9), (210, 49, 5), (192, 35, 2), (172, 23, 1), (149, 13, 1),
-    (122, 4, 3),
-)
-
-
-def _apply_mask(rgb: torch.Tensor, mask: torch.Tensor | None, background) -> torch.Tensor:
-    if mask is None:
-        return rgb
-    fill = torch.tensor(background, dtype=torch.uint8, device=rgb.device).view(3, 1, 1)
-    return torch.where(mask.bool().to(rgb.device), rgb, fill)
-
-
-# --- attention maps (Sapiens2.forward(..., attentions=[block, ...])) --------------------------------------------
 def attention_grid(attention: torch.Tensor, grid_size: tuple[int, int], query: int = 0,
                    average_heads: bool = True) -> torch.Tensor:
     """One query token's attention over the patches, as a patch grid, in float32.
@@ -1032,100 +864,3 @@ def attention_grid(attention: torch.Tensor, grid_size: tuple[int, int], query: i
         raise IndexError(f"query token {query} does not exist; the attention has {num_tokens} tokens")
     row = attention[..., query, num_tokens - h * w:].float()  # (..., heads, h*w): the patch keys
     return (row.mean(-2) if average_heads else row).unflatten(-1, (h, w))
-
-
-def attention_to_image(grid: torch.Tensor, image=None, opacity: float = 0.6, size: tuple[int, int] | None = None
-                       ) -> Image.Image:
-    """An `(h, w)` attention map (`attention_grid`) as a Turbo heat map, min blue to max red, as a PIL image.
-
-    With `image` (anything `load_image` reads), the map is resized bilinearly to the image and blended over it,
-    `(1 - opacity) * image + opacity * colour`, rounded; the map is taken to cover the whole image, as the model
-    input of `preprocess` without padding does (for `pad=True`, crop the grid to the content first). Without
-    `image`, the heat map alone at `size` (default: 16 pixels a cell).
-    """
-    if grid.dim() != 2:
-        raise ValueError(f"attention map of shape {tuple(grid.shape)} is not (h, w); pick a head or average them")
-    if not 0 <= opacity <= 1:
-        raise ValueError(f"opacity must be in [0, 1], got {opacity}")
-    picture = load_image(image).float() if image is not None else None
-    size = tuple(picture.shape[-2:]) if picture is not None else tuple(size or (16 * grid.shape[0], 16 * grid.shape[1]))
-    low, high = grid.float().min(), grid.float().max()
-    scaled = (grid.float() - low) / (high - low).clamp(min=1e-12)  # [0, 1]; a constant map is all blue
-    colour = turbo_colormap(_resize_map(scaled[None, None], size)[0, 0])
-    if picture is None:
-        return to_pil(colour)
-    blended = (1 - opacity) * picture.to(colour.device) + opacity * colour.float()
-    return to_pil(blended.round().clamp(0, 255).to(torch.uint8))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Export
-# ----------------------------------------------------------------------------------------------------------------
-WHOLEBODY_PARTS = {"keypoints": (0, 17), "foot_kpts": (17, 23), "face_kpts": (23, 91),
-                   "lefthand_kpts": (91, 112), "righthand_kpts": (112, 133)}  # COCO-WholeBody's 133 keypoints
-
-
-def pose_to_coco(results: list[list[dict]], image_ids: Sequence[int], keypoint_format: str = "keypoints308",
-                 category_id: int = 1, score_threshold: float = 0.2, names: Sequence[str] | None = None
-                 ) -> list[dict]:
-    """Pose results -> COCO keypoint-detection results (JSON-serialisable list of dicts).
-
-    keypoint_format: "keypoints308" (all 308), "coco17" (COCO body), or "coco_wholebody" (133 keypoints split
-    into keypoints / foot_kpts / face_kpts / lefthand_kpts / righthand_kpts as the COCO-WholeBody evaluator
-    reads them). Each keypoint is `[x, y, score]`; keypoints the 308 set lacks (most of the 68 WholeBody face
-    points) or that were thresholded away are `[0, 0, 0]`. The person score is the mean of the keypoint scores
-    above `score_threshold` (mmpose's rescoring without a detector score); bbox is xywh.
-    `names`: the model's keypoint names (None: the 308); people's labels index them, and the exported points
-    are found by name (a point the model lacks is `[0, 0, 0]`). keypoint_format "model": the model's own
-    keypoints in its order (the 308 for the released model).
-    """
-    if len(image_ids) != len(results):
-        raise ValueError(f"{len(results)} images of results but {len(image_ids)} image ids")
-    names = tuple(names) if names is not None else tuple(keypoint_metadata()["keypoint_names"])
-    source_ids = export_indices(keypoint_format, names)
-    entries = []
-    for image_id, people in zip(image_ids, results):
-        for person in people:
-            table = _full_keypoint_table(person, len(names))  # (K, 3)
-            picked = [table[i] if i >= 0 else [0.0, 0.0, 0.0] for i in source_ids]
-            scores = [s for _, _, s in picked if s > score_threshold]
-            x0, y0, x1, y1 = person["bbox"].tolist()
-            entry = {"image_id": image_id, "category_id": category_id, "bbox": [x0, y0, x1 - x0, y1 - y0],
-                     "score": float(sum(scores) / len(scores)) if scores else 0.0}
-            if keypoint_format == "coco_wholebody":
-                for name, (start, stop) in WHOLEBODY_PARTS.items():
-                    entry[name] = [v for point in picked[start:stop] for v in point]
-            else:
-                entry["keypoints"] = [v for point in picked for v in point]
-            entries.append(entry)
-    return entries
-
-
-def export_indices(keypoint_format: str, names: Sequence[str]) -> list[int]:
-    """For each exported keypoint, its index among the model's keypoint `names` (-1: the model has no such
-    point)."""
-    if keypoint_format == "model":
-        return list(range(len(names)))
-    position = {name: i for i, name in enumerate(names)}
-    names308 = keypoint_metadata()["keypoint_names"]
-    return [position.get(names308[k], -1) if k >= 0 else -1 for k in _export_indices(keypoint_format)]
-
-
-def _export_indices(keypoint_format: str) -> list[int]:
-    """For each exported keypoint, its index among the 308 (-1 where the 308 set has no such point)."""
-    if keypoint_format == "keypoints308":
-        return list(range(keypoint_metadata()["num_keypoints"]))
-    if keypoint_format == "coco17":
-        return list(coco17_indices())
-    if keypoint_format == "coco_wholebody":
-        mapping = dict(keypoint_metadata()["coco_wholebody_to_keypoints308"])
-        return [mapping.get(i, -1) for i in range(133)]
-    raise ValueError(f"keypoint_format must be 'keypoints308', 'coco17', 'coco_wholebody' or 'model', "
-                     f"got {keypoint_format!r}")
-
-
-def _full_keypoint_table(person: dict, count: int) -> list[list[float]]:
-    table = [[0.0, 0.0, 0.0] for _ in range(count)]
-    for k, (x, y), s in zip(person["labels"].tolist(), person["keypoints"].tolist(), person["scores"].tolist()):
-        table[k] = [x, y, s]
-    return table

@@ -37,37 +37,7 @@ import kernels
 # ----------------------------------------------------------------------------------------------------
 # Config and size presets
 # ----------------------------------------------------------------------------------------------------
-
 ROPE_DTYPES = ("bfloat16", "float32")
-
-# The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
-# them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
-# pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
-# (in transformers too) and the 4K tokenizer's blocks (which transformers lacks) always use SiLU.
-_tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
-    "gelu_new": _tanh_gelu,
-    "gelu_python_tanh": _tanh_gelu,
-    "gelu_accurate": _tanh_gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
-    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "relu2": lambda x: torch.square(F.relu(x)),
-    "relu6": F.relu6,
-    "leaky_relu": F.leaky_relu,
-    "mish": lambda x: x * torch.tanh(F.softplus(x)),
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-    "hardswish": F.hardswish,
-    "linear": lambda x: x,
-}
-
 
 @dataclass
 class Sapiens2Config:
@@ -149,9 +119,8 @@ class Sapiens2Config:
             return self.kv_heads_per_layer
         gqa = self.gqa_kv_heads or self.num_heads // 2
         last_gqa = self.depth - self.full_attention_last
-        return tuple(
-            self.num_heads if i < self.full_attention_first or i >= last_gqa else gqa for i in range(self.depth)
-        )
+        return tuple(self.num_heads if i < self.full_attention_first or i >= last_gqa else gqa
+                     for i in range(self.depth))
 
     @property
     def size_multiple(self) -> int:
@@ -184,6 +153,25 @@ class Sapiens2Config:
         return replace(PRESETS[name], **overrides)
 
 
+# The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
+# them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
+# pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
+# (in transformers too) and the 4K tokenizer's blocks (which transformers lacks) always use SiLU.
+# (Here, before PRESETS: building a config checks its `hidden_act` against this table.)
+_tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
+ACTIVATIONS = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
+    "gelu_new": _tanh_gelu, "gelu_python_tanh": _tanh_gelu, "gelu_accurate": _tanh_gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "relu6": F.relu6, "leaky_relu": F.leaky_relu,
+    "mish": lambda x: x * torch.tanh(F.softplus(x)), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "hardswish": F.hardswish, "linear": lambda x: x,
+}
+
+
 # One row per released size. Parameter counts are of the backbone alone (buffers excluded), as computed
 # from the original architecture table; tests/test_sapiens2.py checks every row on the meta device.
 #           name        C     L   heads  tokenizer layers (used by the 4K variant only)    params
@@ -199,8 +187,6 @@ PRESETS: dict[str, Sapiens2Config] = {
 # ----------------------------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------------------------
-
-
 class RMSNorm(nn.Module):
     """RMSNorm with a weight, computed in fp32 and rounded once (torch.nn.RMSNorm's numerics)."""
 
@@ -228,8 +214,6 @@ class PatchEmbed(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # 2-D rotary position embedding
 # ----------------------------------------------------------------------------------------------------
-
-
 class RotaryEmbedding2D(nn.Module):
     """cos/sin tables (h*w, D) for a grid of h x w patches.
 
@@ -320,8 +304,6 @@ def rope_tables_bf16(head_dim: int, base: float, h: int, w: int, device=None, au
 # ----------------------------------------------------------------------------------------------------
 # Attention, MLP, block
 # ----------------------------------------------------------------------------------------------------
-
-
 class LayerScale(nn.Module):
     def __init__(self, dim: int, init: float):
         super().__init__()
@@ -432,8 +414,6 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # The 4K windowed tokenizer
 # ----------------------------------------------------------------------------------------------------
-
-
 class WindowTokenizer(nn.Module):
     """Summarizes each ws x ws window of patch tokens into one token (the window's own CLS output).
 
@@ -448,9 +428,7 @@ class WindowTokenizer(nn.Module):
         self.window = ws
         self.w_cls = nn.Parameter(torch.zeros(1, 1, C))
         self.local_pos_embed = nn.Parameter(torch.zeros(1, 1 + ws * ws, C))
-        self.blocks = nn.ModuleList(
-            Block(config, config.num_heads, main=False) for _ in range(config.tokenizer_layers)
-        )
+        self.blocks = nn.ModuleList(Block(config, config.num_heads, main=False) for _ in range(config.tokenizer_layers))
 
     def forward(self, patches: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
         B, _, C = patches.shape
@@ -467,8 +445,6 @@ class WindowTokenizer(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Sapiens2Output:
     """What the backbone returns.
@@ -512,9 +488,7 @@ class Sapiens2(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, C)) if config.use_mask_token else None
         self.rope_embed = RotaryEmbedding2D(config)
         drop_rates = [config.drop_path_rate * i / max(config.depth - 1, 1) for i in range(config.depth)]
-        self.blocks = nn.ModuleList(
-            Block(config, kv, drop) for kv, drop in zip(config.layer_kv_heads, drop_rates)
-        )
+        self.blocks = nn.ModuleList(Block(config, kv, drop) for kv, drop in zip(config.layer_kv_heads, drop_rates))
         self.ln1 = RMSNorm(C, config.norm_eps)  # the final norm (original key: ln1.weight)
         self.init_weights()
 

@@ -2,7 +2,7 @@
 
     model = weights.load("sapiens2_0.4b_pretrain.safetensors")           # a bare original file
     model = weights.load("path/to/dir")                                  # config.json + model.safetensors (or shards)
-    model = weights.load("facebook/sapiens2-pretrain-0.4b")              # a hub id (the HF cache, else downloaded once)
+    model = weights.load("facebook/sapiens2-pretrain-0.4b")              # a hub id (hub.py: the HF cache or a download)
     model = weights.load(path, rope_dtype="float32", dtype=torch.bfloat16, device="cuda")
     weights.save(model, "out_dir", format="hf")                          # or format="original"
 
@@ -19,6 +19,11 @@ field by field: see the tables before config_from_hf), else it is inferred from 
 and the pointmap scale MLP's input width are checked against the weights whatever the source. Loading is
 strict: anything missing, unexpected or mis-shaped is reported by key, grouped by prefix; nothing is left
 randomly initialized.
+
+Numerics: a model computes RoPE as the released weights were trained (the original's bf16,
+Sapiens2Config.rope_dtype="bfloat16"), unless the file's own config (written by `save`) says otherwise;
+`load(..., rope_dtype="float32")` gives transformers'. processing's defaults are the original's too (pair
+rope_dtype="float32" with its resample="hf" for transformers' results; docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -28,11 +33,6 @@ import json
 import math
 import os
 import re
-import socket
-import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import hub
 from heads import (OUT_CHANNELS, TASK_PRESETS, TASKS, TRANSPOSED_CONV_TASKS, HeadConfig, Sapiens2ForTask, build_task_model,
                    scale_branch_fits, scale_branch_grid, task_preset)
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16
@@ -308,7 +309,7 @@ def split_checkpoint(tensors: dict[str, torch.Tensor]) -> tuple[str, dict, dict,
 
 
 def config_from_shapes(state: dict[str, torch.Tensor]) -> Sapiens2Config:
-    """Infer the architecture from an original-named backbone state dict (spec: checkpoints.md c.1)."""
+    """Infer the architecture from an original-named backbone state dict (docs/checkpoints.md, file formats)."""
     try:
         C = state["cls_token"].shape[-1]
         depth = 1 + max(int(m[1]) for k in state if (m := re.match(r"^blocks\.(\d+)\.", k)))
@@ -381,7 +382,7 @@ HF_IRRELEVANT_FIELDS = {
     "_out_features": _BACKBONE_OUTPUTS, "_out_indices": _BACKBONE_OUTPUTS,
     "reshape_hidden_states": _BACKBONE_OUTPUTS, "normalize_backbone_outputs": _BACKBONE_OUTPUTS,
     "attention_dropout": "training only: our attention has no dropout (a nonzero value warns)",
-    "semantic_loss_ignore_index": "training only: heads.seg_cross_entropy(ignore_index=255) (another value warns)",
+    "semantic_loss_ignore_index": "training only: losses.seg_cross_entropy(ignore_index=255) (another value warns)",
     **{k: _TRANSFORMERS_RUNTIME for k in ("_name_or_path", "output_attentions", "output_hidden_states", "return_dict",
                                           "problem_type", "chunk_size_feed_forward", "is_encoder_decoder")},
 }
@@ -438,7 +439,7 @@ def _audit_hf_config(hf: dict):
         warnings.warn(f"config.json: attention_dropout={hf['attention_dropout']} is not applied (no attention dropout here)")
     if hf.get("semantic_loss_ignore_index", 255) != 255:
         warnings.warn(f"config.json: semantic_loss_ignore_index={hf['semantic_loss_ignore_index']} is not applied; "
-                      "pass ignore_index= to heads.seg_cross_entropy")
+                      "pass ignore_index= to losses.seg_cross_entropy")
     known = {*HF_CONFIG_FIELDS, *HF_GQA_RULE_FIELDS, *HF_HEAD_FIELDS, *HF_REQUIRED_VALUES, *HF_IRRELEVANT_FIELDS,
              *EXTRA_CONFIG_FIELDS, "sapiens2_head_config"}
     unknown = sorted(set(hf) - known)
@@ -667,174 +668,8 @@ def _check_rope_periods(periods: torch.Tensor | None, config: Sapiens2Config, so
 
 
 # ----------------------------------------------------------------------------------------------------
-# The Hub: the Hugging Face cache first (where transformers users already have the weights), then a
-# download, with huggingface_hub when it is installed (its cache, auth, resume), else with the built-in
-# downloader into ~/.cache/sapiens2. HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, HF_HOME, HF_HUB_CACHE are honoured.
+# Sources: a .safetensors file, a checkpoint folder, or a preset name / hub id (found or downloaded by hub.py)
 # ----------------------------------------------------------------------------------------------------
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Released checkpoints by preset name: pretrain by size ("0.4b"; the 4K variant has no Hub repo: HF cannot
-# represent its tokenizer), task models as "seg-0.4b" (albedo: none released).
-HUB_IDS = {name: f"facebook/sapiens2-pretrain-{name}" for name, c in PRESETS.items() if not c.use_tokenizer}
-HUB_IDS.update({name: f"facebook/sapiens2-{name}" for name in TASK_PRESETS if not name.startswith("albedo")})
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SAPIENS2_CACHE", Path.home() / ".cache" / "sapiens2"))
-
-
-def _fetch(url: str, target: Path, progress: bool = True) -> bool:
-    """Download url to target, resuming a partial `.part` file. False on HTTP 404."""
-    part = target.with_name(target.name + ".part")
-    start = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"User-Agent": "sapiens2"})
-    if os.environ.get("HF_TOKEN"):
-        request.add_header("Authorization", f"Bearer {os.environ['HF_TOKEN']}")
-    if start:
-        request.add_header("Range", f"bytes={start}-")
-    try:
-        response = urllib.request.urlopen(request, timeout=60)
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            return False
-        if e.code == 416:  # the .part file is already complete
-            part.rename(target)
-            return True
-        raise
-    with response:
-        resumed = response.status == 206
-        total = int(response.headers.get("Content-Length", 0)) + (start if resumed else 0)
-        done = start if resumed else 0
-        with open(part, "ab" if resumed else "wb") as out:
-            while chunk := response.read(1 << 20):
-                out.write(chunk)
-                done += len(chunk)
-                if progress and total:
-                    print(f"\r{target.name}: {done / 2**20:.0f}/{total / 2**20:.0f} MiB", end="", file=sys.stderr)
-    if progress and total:
-        print(file=sys.stderr)
-    part.rename(target)
-    return True
-
-
-def download(repo_id: str, revision: str = "main", progress: bool = True) -> Path:
-    """A local directory holding repo_id's config.json and weights: a complete copy in our cache or the
-    Hugging Face cache, else downloaded (huggingface_hub when installed, else the built-in downloader)."""
-    local = cache_dir() / repo_id.replace("/", "--") / revision
-    for found in (local, hf_cache_snapshot(repo_id, revision)):
-        if found is not None and _complete(found):
-            return found
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-        raise FileNotFoundError(_how_to_get(repo_id, revision, local, "HF_HUB_OFFLINE is set"))
-    try:
-        import huggingface_hub
-        import huggingface_hub.errors
-    except ImportError:  # optional: the built-in downloader does the same, without auth helpers or xet
-        huggingface_hub = None
-    where = local if huggingface_hub is None else hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    unresolvable = _unresolvable_host(endpoint)
-    if unresolvable:  # no network: fail at once (huggingface_hub would retry each file for ~25 s first)
-        raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {unresolvable}"))
-    if huggingface_hub is None:
-        return _download_builtin(repo_id, revision, local, endpoint, progress)
-    return _download_with_hub(huggingface_hub, repo_id, revision, endpoint, where)
-
-
-def _complete(directory: Path) -> bool:
-    """model.safetensors, or an index and every shard it lists."""
-    index = directory / "model.safetensors.index.json"
-    if (directory / "model.safetensors").exists():
-        return True
-    return index.exists() and all((directory / s).exists() for s in _shard_names(index))
-
-
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, by huggingface_hub's rules (read from the environment at call time)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home).expanduser() / "hub"
-
-
-def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
-    """The snapshot directory of repo_id@revision in the Hugging Face cache, if there is one
-    (models--<owner>--<name>/snapshots/<commit>, the commit read from refs/<revision>)."""
-    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
-    ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    snapshot = repo / "snapshots" / commit
-    return snapshot if snapshot.is_dir() else None
-
-
-def _download_with_hub(hub, repo_id: str, revision: str, endpoint: str, where: Path) -> Path:
-    """Download into the Hugging Face cache (`where`: the repo's folder there) with huggingface_hub; the snapshot
-    directory."""
-    get = lambda name: Path(hub.hf_hub_download(  # noqa: E731
-        repo_id, name, revision=revision, cache_dir=hf_cache_dir(), endpoint=endpoint))
-    try:
-        _hub_optional(hub, get, "config.json")
-        weights_file = _hub_optional(hub, get, "model.safetensors")
-        if weights_file is not None:
-            return weights_file.parent
-        index = _hub_optional(hub, get, "model.safetensors.index.json")
-        if index is None:
-            raise FileNotFoundError(f"{repo_id}@{revision} has neither model.safetensors nor an index")
-        for shard in _shard_names(index):  # a malformed index is reported by the loader, naming it
-            get(shard)
-        return index.parent
-    except FileNotFoundError as e:
-        if isinstance(e, hub.errors.LocalEntryNotFoundError):  # the Hub could not be reached
-            raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {e}")) from e
-        raise
-    except (hub.errors.HfHubHTTPError, OSError) as e:
-        raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {e}")) from e
-
-
-def _unresolvable_host(endpoint: str) -> str | None:
-    """Why the endpoint's host name cannot be resolved (offline, no DNS), or None when it can."""
-    host = urllib.parse.urlsplit(endpoint).hostname
-    try:
-        socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError) as e:
-        return f"cannot resolve {host} ({e})"
-    return None
-
-
-def _hub_optional(hub, get, name: str) -> Path | None:
-    """get(name), or None when the repo has no such file (HTTP 404, which huggingface_hub may wrap)."""
-    try:
-        return get(name)
-    except (hub.errors.HfHubHTTPError, hub.errors.LocalEntryNotFoundError) as e:
-        if any(getattr(getattr(x, "response", None), "status_code", None) == 404 for x in (e, e.__cause__)):
-            return None
-        raise
-
-
-def _download_builtin(repo_id: str, revision: str, local: Path, endpoint: str, progress: bool) -> Path:
-    have = lambda name: (local / name).exists()  # noqa: E731
-    local.mkdir(parents=True, exist_ok=True)
-    url = f"{endpoint}/{repo_id}/resolve/{revision}/"
-    try:
-        _fetch(url + "config.json", local / "config.json", progress=False)  # optional
-        if not _fetch(url + "model.safetensors", local / "model.safetensors", progress):
-            if not _fetch(url + "model.safetensors.index.json", local / "model.safetensors.index.json", False):
-                raise FileNotFoundError(f"{repo_id}@{revision} has neither model.safetensors nor an index at {url}")
-            for shard in _shard_names(local / "model.safetensors.index.json"):
-                if not have(shard) and not _fetch(url + shard, local / shard, progress):
-                    raise FileNotFoundError(f"{repo_id}: shard {shard} listed in the index is missing at {url}")
-    except FileNotFoundError:
-        raise
-    except (urllib.error.URLError, OSError) as e:
-        raise FileNotFoundError(_how_to_get(repo_id, revision, local, f"download failed: {e}")) from e
-    return local
-
-
-def _how_to_get(repo_id, revision, local, why) -> str:
-    return (
-        f"cannot get {repo_id} ({why}). Download model.safetensors (and config.json) from "
-        f"https://huggingface.co/{repo_id}/tree/{revision} and put them in {local}, or pass the file's path."
-    )
 
 
 def resolve(source: str | os.PathLike, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict, dict, str]:
@@ -849,10 +684,10 @@ def resolve(source: str | os.PathLike, dtype: torch.dtype | None = None) -> tupl
         config = read_json(sidecar) if sidecar.exists() and path.name == "model.safetensors" else {}
         return tensors, config, meta, str(path)
     name = str(source)
-    if name in HUB_IDS:
-        name = HUB_IDS[name]
-    if HUB_ID.match(name) and not name.endswith(".safetensors"):
-        tensors, config, meta = read_checkpoint_dir(download(name), dtype)
+    if name in hub.HUB_IDS:
+        name = hub.HUB_IDS[name]
+    if hub.HUB_ID.match(name) and not name.endswith(".safetensors"):
+        tensors, config, meta = read_checkpoint_dir(hub.download(name), dtype)
         return tensors, config, meta, name
     raise FileNotFoundError(f"{source}: no such file or directory, and not a hub id like facebook/sapiens2-pretrain-0.4b")
 
@@ -872,12 +707,6 @@ def read_json(path: Path) -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got a {type(value).__name__}")
     return value
-
-
-def _shard_names(index: Path) -> list[str]:
-    """The shard files an index lists (none if it is malformed: _read_weight_map then says what is wrong)."""
-    weight_map = read_json(index).get("weight_map")
-    return sorted({v for v in weight_map.values() if isinstance(v, str)}) if isinstance(weight_map, dict) else []
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
@@ -970,7 +799,8 @@ def load(source, dtype=torch.float32, device="cpu", task: str | None = None, pre
     task:      require this task ("pose", "seg", ...); a checkpoint of another task is an error.
     preset:    build this architecture ("0.4b", "seg-0.4b", ...) instead of reading/inferring it; the
                checkpoint must match it exactly.
-    overrides: Sapiens2Config fields that do not change the weights' shapes, e.g. rope_dtype="float32".
+    overrides: Sapiens2Config fields that do not change the weights' shapes, e.g. rope_dtype="float32"
+               (transformers' RoPE; the default is the original's bf16, as trained).
     Floating tensors of any dtype in the file are cast to `dtype`.
     """
     dtype = parse_dtype(dtype)
@@ -1137,50 +967,3 @@ def save(model: Sapiens2 | Sapiens2ForTask, path, format: str = "original"):
         save_safetensors({**state, **head}, path / "model.safetensors", metadata)
         (path / "config.json").write_text(json.dumps(hf_config, indent=2, allow_nan=False))
     return path
-
-
-# ----------------------------------------------------------------------------------------------------
-# --random-init: random weights instead of a checkpoint (predict.py, train.py, export.py; the models come
-# from heads.random_model)
-# ----------------------------------------------------------------------------------------------------
-
-RANDOM_INIT = ("never", "fallback", "always")
-
-
-def looks_like_preset_or_hub_id(source: str) -> bool:
-    """Only downloads fall back to random weights; a mistyped local path stays an error."""
-    return source in PRESETS or source in TASK_PRESETS or (
-        bool(HUB_ID.match(source)) and not Path(source).exists() and not source.endswith(".safetensors"))
-
-
-def load_or_random(source: str, random_init: str, load_checkpoint, random_weights, note=None):
-    """(model, whether its weights are random), as --random-init says: "never" loads (load_checkpoint()),
-    "always" does not try (random_weights()), "fallback" loads and takes random weights when a download (a
-    preset name or hub id) cannot be had, saying why through `note` (default: stderr). A missing local file
-    (FileNotFoundError) and a checkpoint that is there but unusable (CheckpointError) stay errors."""
-    if random_init not in RANDOM_INIT:
-        raise ValueError(f"random_init must be one of {', '.join(RANDOM_INIT)}, got {random_init!r}")
-    if random_init == "always":
-        return random_weights(), True
-    try:
-        return load_checkpoint(), False
-    except FileNotFoundError as error:
-        if random_init != "fallback" or not looks_like_preset_or_hub_id(str(source)):
-            raise
-        (note or (lambda message: print(message, file=sys.stderr)))(f"cannot load {source}: {error}")
-        return random_weights(), True
-
-
-def random_weights_banner(tasks: str, random_init: str, consequence: str, *more: str) -> str:
-    """The loud warning of a run on random weights, printed before and after it: why the weights are random
-    (--random-init always, or a download that failed), `consequence` (what that means for this command's
-    outputs) and `more` lines."""
-    if random_init == "always":
-        why = "--random-init always, no checkpoint was loaded or downloaded."
-        advice = "For real results run without --random-init always."
-    else:
-        why = "their checkpoints could not be loaded (see the message above)."
-        advice = "For real results download the weights (see the message above) and run again."
-    bar = "!" * 78
-    lines = [f"RANDOM WEIGHTS for {tasks}: {why}", consequence, *more, advice]
-    return f"\n{bar}\n" + "".join(f"!!  {line}\n" for line in lines) + f"{bar}\n"

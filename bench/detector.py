@@ -29,9 +29,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))  # after the root, so bench/kernels.py cannot shadow kernels/
 
-import detect  # noqa: E402
+from sapiens2_app import detector  # noqa: E402
+from sapiens2_app.dfine import DFine, DFineConfig  # noqa: E402
+from sapiens2_app.dfine_backbone import SelfAttention  # noqa: E402
 import e2e  # noqa: E402
-import safe_io  # noqa: E402
+from sapiens2_app import safe_io  # noqa: E402
 
 # The released COCO architectures (transformers' conversion script; every other field is DFineConfig's default).
 _B0 = dict(stem_channels=[3, 16, 16], stage_in_channels=[16, 64, 256, 512], stage_mid_channels=[16, 32, 64, 128],
@@ -49,11 +51,11 @@ DFINE_ARCHS = {
 }
 
 
-def dfine(size: str) -> detect.DFine:
-    return detect.DFine(detect.DFineConfig(num_labels=80, **DFINE_ARCHS[size]))
+def dfine(size: str) -> DFine:
+    return DFine(DFineConfig(num_labels=80, **DFINE_ARCHS[size]))
 
 
-def count_detector_flops(size: str, input_size=detect.INPUT_SIZE) -> dict:
+def count_detector_flops(size: str, input_size=detector.INPUT_SIZE) -> dict:
     totals = {"linear": 0, "conv": 0, "attention": 0}
 
     def linear(mod, inputs, output):
@@ -69,7 +71,7 @@ def count_detector_flops(size: str, input_size=detect.INPUT_SIZE) -> dict:
     with torch.device("meta"):
         model = dfine(size)
         for mod in model.modules():
-            hook = {torch.nn.Linear: linear, torch.nn.Conv2d: conv, detect.SelfAttention: attention}.get(type(mod))
+            hook = {torch.nn.Linear: linear, torch.nn.Conv2d: conv, SelfAttention: attention}.get(type(mod))
             if hook:
                 mod.register_forward_hook(hook)
         with torch.no_grad():
@@ -104,9 +106,9 @@ def main(argv=None):
     torch.manual_seed(0)
     rows = []
     for size in args.detectors.split(","):
-        row = {"model": f"D-FINE {size} (person detector)", "input": "x".join(map(str, detect.INPUT_SIZE)),
+        row = {"model": f"D-FINE {size} (person detector)", "input": "x".join(map(str, detector.INPUT_SIZE)),
                "per": "image", **count_detector_flops(size)}
-        row.update(measure(row["model"], dfine(size), torch.rand(1, 3, *detect.INPUT_SIZE), args, args.warmup,
+        row.update(measure(row["model"], dfine(size), torch.rand(1, 3, *detector.INPUT_SIZE), args, args.warmup,
                            args.reps))
         rows.append(row)
     pose = {"model": "Sapiens2 pose-0.4b", "input": args.pose_size, "per": "person (x2 with the flip test)",

@@ -84,8 +84,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import heads  # noqa: E402
-from runtime_info import device_peaks, versions  # noqa: E402
-import safe_io  # noqa: E402
+from sapiens2_app.runtime_info import device_peaks, versions  # noqa: E402
+from sapiens2_app import safe_io  # noqa: E402
 import sapiens2  # noqa: E402
 import weights  # noqa: E402
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 from PIL import Image
 
-import formats
 import heads
 import predict
 import processing
 import weights
-from metadata import keypoint_metadata, segmentation_metadata
+from processing import keypoint_metadata, segmentation_metadata
 from sapiens2 import Sapiens2Config
+from sapiens2_app import formats, inputs, outputs, pictures
+from sapiens2_app.models import LoadedModel
 
 COCO17 = processing.coco17_names()
 OWN5 = ("head_top", "chin", "left_fin", "right_fin", "tail")
@@ -37,22 +38,22 @@ def coco17_person() -> dict:
 # Seg palettes
 # ----------------------------------------------------------------------------------------------------
 def test_palette_is_the_released_one_for_29_and_distinct_otherwise():
-    assert processing.segmentation_palette(29) == [tuple(c) for c in segmentation_metadata()["palette_rgb"]]
+    assert pictures.segmentation_palette(29) == [tuple(c) for c in segmentation_metadata()["palette_rgb"]]
     for count in (1, 4, 17, 30, 256):
-        palette = processing.segmentation_palette(count)
+        palette = pictures.segmentation_palette(count)
         assert len(palette) == count == len(set(palette)), count
-        assert palette == processing.segmentation_palette(count)  # deterministic
+        assert palette == pictures.segmentation_palette(count)  # deterministic
         assert all(0 <= v <= 255 for color in palette for v in color)
-    assert processing.segmentation_palette(4) != processing.segmentation_palette(29)[:4]  # not the 29's meanings
+    assert pictures.segmentation_palette(4) != pictures.segmentation_palette(29)[:4]  # not the 29's meanings
 
 
 @pytest.mark.parametrize("count", [4, 40])
 def test_colorize_covers_every_class_and_blacks_out_the_rest(count):
     ids = torch.arange(count + 2).repeat(3, 1)  # every class, then two ids the model cannot predict
-    colours = processing.colorize_segmentation(ids, count)
-    expected = torch.tensor(processing.segmentation_palette(count) + [(0, 0, 0)] * 2, dtype=torch.uint8)
+    colours = pictures.colorize_segmentation(ids, count)
+    expected = torch.tensor(pictures.segmentation_palette(count) + [(0, 0, 0)] * 2, dtype=torch.uint8)
     assert torch.equal(colours[:, 0].T, expected)
-    default = processing.colorize_segmentation(torch.arange(29)[None])  # the released call, unchanged
+    default = pictures.colorize_segmentation(torch.arange(29)[None])  # the released call, unchanged
     assert torch.equal(default[:, 0].T, torch.tensor(segmentation_metadata()["palette_rgb"], dtype=torch.uint8))
 
 
@@ -61,13 +62,13 @@ def test_colorize_covers_every_class_and_blacks_out_the_rest(count):
 # ----------------------------------------------------------------------------------------------------
 def test_coco17_names_draw_the_coco17_skeleton_in_the_models_indexing():
     canvas = np.zeros((100, 100, 3), np.uint8)
-    ours = processing.draw_pose(canvas, [coco17_person()], names=COCO17, radius=2, thickness=1)
+    ours = pictures.draw_pose(canvas, [coco17_person()], names=COCO17, radius=2, thickness=1)
     ids308 = processing.coco17_indices()  # the same points labelled as the 308 model labels them
     as308 = coco17_person()
     as308["labels"] = torch.tensor([ids308[k] for k in as308["labels"].tolist()])
-    reference = processing.draw_pose(canvas, [as308], keypoint_set="coco17", radius=2, thickness=1)
+    reference = pictures.draw_pose(canvas, [as308], keypoint_set="coco17", radius=2, thickness=1)
     assert np.array_equal(np.array(ours), np.array(reference))
-    points_only = processing.draw_pose(canvas, [coco17_person()], names=COCO17[::-1], radius=2, thickness=1)
+    points_only = pictures.draw_pose(canvas, [coco17_person()], names=COCO17[::-1], radius=2, thickness=1)
     assert (np.array(ours) != np.array(points_only)).any()  # the links: reversed names are no known set
 
 
@@ -75,18 +76,18 @@ def test_custom_names_draw_points_only_never_the_308_skeleton():
     canvas = np.zeros((100, 100, 3), np.uint8)
     # labels 0..4 are linked in the 308 skeleton (nose-eyes, eyes-ears): drawn with names, no link may appear
     points = {0: (10.0, 10.0), 1: (80.0, 10.0), 2: (10.0, 80.0), 3: (80.0, 80.0), 4: (45.0, 45.0)}
-    drawn = np.array(processing.draw_pose(canvas, [person(points)], names=OWN5, radius=3, thickness=2))
-    colours = processing.distinct_colors(5)
+    drawn = np.array(pictures.draw_pose(canvas, [person(points)], names=OWN5, radius=3, thickness=2))
+    colours = pictures.distinct_colors(5)
     for k, (x, y) in points.items():
         assert tuple(drawn[int(y), int(x)]) == colours[k]
     lit = drawn.any(axis=2)
     assert lit.sum() <= 5 * 7 * 7  # five dots of radius 3, nothing between them
     assert not lit[10, 20:70].any() and not lit[20:70, 10].any()
-    assert np.array_equal(drawn, np.array(processing.draw_pose(canvas, [person(points)], names=OWN5, radius=3,
+    assert np.array_equal(drawn, np.array(pictures.draw_pose(canvas, [person(points)], names=OWN5, radius=3,
                                                                 thickness=2)))
     names308 = keypoint_metadata()["keypoint_names"]
-    assert np.array_equal(np.array(processing.draw_pose(canvas, [person(points)], names=names308)),
-                          np.array(processing.draw_pose(canvas, [person(points)])))
+    assert np.array_equal(np.array(pictures.draw_pose(canvas, [person(points)], names=names308)),
+                          np.array(pictures.draw_pose(canvas, [person(points)])))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ def test_predict_seg_overlay_uses_the_models_palette(own_set_run, tmp_path):
     overlay = np.array(Image.open(tmp_path / "a.seg_overlay.jpg")).astype(np.float32)
 
     def error(count):
-        palette = torch.tensor(processing.segmentation_palette(count), dtype=torch.float32)
+        palette = torch.tensor(pictures.segmentation_palette(count), dtype=torch.float32)
         expected = ((image + palette[ids].permute(2, 0, 1)) / 2).round().permute(1, 2, 0).numpy()
         return np.abs(overlay - expected).mean()
     assert error(4) < 4 < 4 * error(4) < error(29)  # JPEG-close to the 4-class palette, far from the 29's
@@ -214,13 +215,13 @@ def test_predict_renders_a_coco17_models_overlay_and_openpose_with_its_names(own
     """render() hands the model's names to the drawing and OpenPose (a 308 skeleton over labels 0..16 would
     link face points)."""
     _, _, pose, _ = own_set_run
-    loaded = predict.LoadedModel(weights.load(pose), str(pose))
+    loaded = LoadedModel(weights.load(pose), str(pose))
     image = torch.zeros(3, 100, 100, dtype=torch.uint8)
     result = {"pose": {"people": [coco17_person()], "box_source": "boxes", "detector_scores": None}}
-    made = predict.render("pose", predict.InputImage(pose, "a.png"), image, result, loaded)
-    expected = processing.draw_pose(image, [coco17_person()], names=COCO17)
+    made = outputs.render("pose", inputs.InputImage(pose, "a.png"), image, result, loaded)
+    expected = pictures.draw_pose(image, [coco17_person()], names=COCO17)
     assert np.array_equal(np.array(made[".pose_overlay.jpg"]()), np.array(expected))
-    assert (np.array(expected) != np.array(processing.draw_pose(image, [coco17_person()]))).any()
+    assert (np.array(expected) != np.array(pictures.draw_pose(image, [coco17_person()]))).any()
     assert made["_keypoints.json"]() == formats.openpose_json([coco17_person()], COCO17)
 
 

@@ -1,5 +1,6 @@
-"""detect.py: the D-FINE port against transformers 5.23 on tiny random configs, pre/post-processing against
-transformers' RTDetrImageProcessor, strict loading, and predict.py's --detector.
+"""sapiens2_app/dfine.py, dfine_backbone.py and detector.py: the D-FINE port against transformers 5.23 on tiny
+random configs, pre/post-processing against transformers' RTDetrImageProcessor, strict loading, and predict.py's
+--detector.
 
 Tolerances, and why:
 - raw logits and boxes: 1e-4 abs in fp32 (the issue's bound). Both sides run the same fp32 ops in the same
@@ -23,9 +24,9 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import detect
 import predict
 import weights
+from sapiens2_app import detector, dfine
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 transformers = pytest.importorskip("transformers")
@@ -109,10 +110,10 @@ def images_of(sizes, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_boxes_match_transformers(saved, case):
     hf, folder = saved[case]
-    detector = detect.load(folder)
+    loaded = detector.load(folder)
     x = torch.rand(2, 3, 64, 96)  # batched and not square: each level's shape and the anchors must be right
     with torch.no_grad():
-        ref, ours = hf(pixel_values=x), detector.model(x)
+        ref, ours = hf(pixel_values=x), loaded.model(x)
     for name in ("logits", "pred_boxes"):
         err = (getattr(ours, name) - getattr(ref, name)).abs().max().item()
         print(f"{case} {name}: max abs diff {err:.2e}")
@@ -126,12 +127,12 @@ def test_bf16_runs_and_stays_close(saved):
     ~40 convs). The decoder's outputs are not compared: its query selection is a top-k, and a near tie may pick
     another query in bf16."""
     _, folder = saved["small"]
-    fp32, bf16 = detect.load(folder), detect.load(folder, dtype="bf16")
+    fp32, bf16 = detector.load(folder), detector.load(folder, dtype="bf16")
     assert bf16.dtype == torch.bfloat16
     images = images_of([(60, 80), (90, 40)])
     for boxes in bf16(images):
         assert boxes.dtype == torch.float32 and boxes.shape[1] == 5 and torch.isfinite(boxes).all()
-    pixels = detect.preprocess(images, INPUT)
+    pixels = detector.preprocess(images, INPUT)
     with torch.no_grad():
         expected = fp32.model.encoder(fp32.model.backbone(pixels))
         got = bf16.model.encoder(bf16.model.backbone(pixels.bfloat16()))
@@ -158,8 +159,8 @@ def test_deformable_sampling_in_bf16_is_the_float32_one_rounded(batch, heads, di
     value = torch.randn(B, S, heads * dim).bfloat16().view(B, S, heads, dim)  # as DeformableAttention passes it
     locations = torch.rand(B, Q, heads, sum(points), 2) * 1.2 - 0.1  # float32, some outside the map (zeros there)
     attention = torch.randn(B, Q, heads, sum(points)).softmax(-1).bfloat16()
-    got = detect.multiscale_deformable_attention(value, shapes, locations, attention, points)
-    expected = detect.multiscale_deformable_attention(value.float(), shapes, locations, attention.float(), points)
+    got = dfine.multiscale_deformable_attention(value, shapes, locations, attention, points)
+    expected = dfine.multiscale_deformable_attention(value.float(), shapes, locations, attention.float(), points)
     assert got.dtype == torch.bfloat16
     ratio = ((got.float() - expected).abs() / (BF16_ROUNDOFF * expected.abs() + 1e-6)).max().item()
     print(f"heads {heads} x {dim}, maps {shapes}: max |bf16 - fp32| / bound {ratio:.3g}")
@@ -213,8 +214,8 @@ def test_bf16_drift_is_within_transformers_own(saved, case):
     compared query slot by query slot, that moved person scores by up to ~0.1 in both (not a precision loss)."""
     hf, folder = saved[case]
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    ours, ours16 = detect.load(folder).model, detect.load(folder, dtype="bf16").model
-    pixels = detect.preprocess(images_of([(60, 80), (90, 40), (64, 96)], seed=2), INPUT)
+    ours, ours16 = detector.load(folder).model, detector.load(folder, dtype="bf16").model
+    pixels = detector.preprocess(images_of([(60, 80), (90, 40), (64, 96)], seed=2), INPUT)
     drift = {}
     for name, fp32, bf16 in (("hf", hf, hf16), ("ours", ours, ours16)):
         for part, a, b in zip(("selection scores", "selection boxes"), selection_heads(fp32, pixels),
@@ -241,12 +242,12 @@ def test_postprocessing_equals_transformers_image_processor(saved):
     from transformers.models.rt_detr.image_processing_pil_rt_detr import RTDetrImageProcessorPil
 
     hf, folder = saved["small"]
-    detector = detect.load(folder, threshold=0.3)
+    loaded = detector.load(folder, threshold=0.3)
     sizes = [(60, 80), (120, 50)]
-    pixels = detect.preprocess(images_of(sizes), INPUT)
+    pixels = detector.preprocess(images_of(sizes), INPUT)
     with torch.no_grad():
-        out = detector.model(pixels)
-    ours = detect.postprocess(out.logits, out.pred_boxes, sizes, 0.3, label=1)
+        out = loaded.model(pixels)
+    ours = detector.postprocess(out.logits, out.pred_boxes, sizes, 0.3, label=1)
     theirs = RTDetrImageProcessorPil().post_process_object_detection(out, threshold=0.3, target_sizes=sizes)
     found = 0
     for mine, ref in zip(ours, theirs):
@@ -264,12 +265,12 @@ def test_detector_end_to_end_matches_transformers(saved):
     from transformers.models.rt_detr.image_processing_pil_rt_detr import RTDetrImageProcessorPil
 
     hf, folder = saved["nano"]
-    detector = detect.load(folder, threshold=0.3)
-    assert detector.input_size == INPUT and detector.person_label == 1  # from preprocessor_config.json, id2label
+    loaded = detector.load(folder, threshold=0.3)
+    assert loaded.input_size == INPUT and loaded.person_label == 1  # from preprocessor_config.json, id2label
     images = images_of([(60, 80), (33, 47), (48, 64)], seed=1)
-    results = detector(images)
+    results = loaded(images)
     with torch.no_grad():
-        ref = hf(pixel_values=detect.preprocess(images, INPUT))
+        ref = hf(pixel_values=detector.preprocess(images, INPUT))
     theirs = RTDetrImageProcessorPil().post_process_object_detection(
         ref, threshold=0.3, target_sizes=[tuple(i.shape[-2:]) for i in images])
     for mine, expected in zip(results, theirs):
@@ -285,16 +286,16 @@ def test_postprocess_by_hand():
     """One image, 3 queries x 2 classes, person = 1: the top-3 (query, class) pairs, then the person rows."""
     logits = torch.logit(torch.tensor([[[0.9, 0.2], [0.3, 0.8], [0.1, 0.6]]]))  # scores per (query, class)
     boxes = torch.tensor([[[0.5, 0.5, 0.2, 0.4], [0.25, 0.5, 0.5, 1.0], [0.1, 0.1, 0.1, 0.1]]])  # cxcywh
-    (result,) = detect.postprocess(logits, boxes, [(100, 200)], threshold=0.5, label=1)
+    (result,) = detector.postprocess(logits, boxes, [(100, 200)], threshold=0.5, label=1)
     # top-3 pairs: (q0, c0) 0.9, (q1, c1) 0.8, (q2, c1) 0.6; persons above 0.5: q1, q2
     expected = torch.tensor([[0.0, 0.0, 100.0, 100.0, 0.8], [10.0, 5.0, 20.0, 10.0, 0.6]])
     torch.testing.assert_close(result, expected)
-    (none,) = detect.postprocess(logits, boxes, [(100, 200)], threshold=0.85, label=1)
+    (none,) = detector.postprocess(logits, boxes, [(100, 200)], threshold=0.85, label=1)
     assert none.shape == (0, 5)
 
 
 def test_preprocessing_matches_transformers_fixture():
-    """detect.preprocess == transformers' RTDetrImageProcessor (torchvision backend) on stored images."""
+    """detector.preprocess == transformers' RTDetrImageProcessor (torchvision backend) on stored images."""
     path = FIXTURES / "preprocess.safetensors"
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as handle:
@@ -303,7 +304,7 @@ def test_preprocessing_matches_transformers_fixture():
         "AVX2", "AVX512")
     tol = 1e-6 if same_kernel else 1 / 255 + 1e-6
     for i in range(meta["num_images"]):
-        ours = detect.preprocess([tensors[f"image{i}"]], tuple(meta["size"]))[0]
+        ours = detector.preprocess([tensors[f"image{i}"]], tuple(meta["size"]))[0]
         err = (ours - tensors[f"pixel_values{i}"]).abs().max().item()
         assert err <= tol, f"image {i} {tuple(tensors[f'image{i}'].shape)}: max abs diff {err:.3g}"
 
@@ -313,7 +314,7 @@ def test_preprocessing_matches_transformers_fixture():
 # ----------------------------------------------------------------------------------------------------
 def test_loads_a_file_a_folder_and_a_cached_hub_id(saved, tmp_path, monkeypatch):
     _, folder = saved["small"]
-    reference = detect.load(folder).model.state_dict()
+    reference = detector.load(folder).model.state_dict()
     cache = tmp_path / "cache" / "someone--dfine-tiny" / "main"
     cache.mkdir(parents=True)
     for name in ("config.json", "model.safetensors"):
@@ -321,11 +322,11 @@ def test_loads_a_file_a_folder_and_a_cached_hub_id(saved, tmp_path, monkeypatch)
     monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # served from the cache, as weights.load does
     for source in (folder / "model.safetensors", "someone/dfine-tiny"):
-        state = detect.load(source).model.state_dict()
+        state = detector.load(source).model.state_dict()
         assert all(torch.equal(state[k], reference[k]) for k in reference)
-    assert detect.load("someone/dfine-tiny").input_size == detect.INPUT_SIZE  # no preprocessor_config.json there
+    assert detector.load("someone/dfine-tiny").input_size == detector.INPUT_SIZE  # no preprocessor_config.json there
     with pytest.raises(FileNotFoundError, match=r"someone/elsewhere.*HF_HUB_OFFLINE"):
-        detect.load("someone/elsewhere")
+        detector.load("someone/elsewhere")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -334,8 +335,8 @@ def test_architecture_from_the_weights_alone(saved, case, tmp_path):
     names is read off the shapes; with those three given, the model is the one config.json describes."""
     hf, folder = saved[case]
     (tmp_path / "bare.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
-    bare = detect.load(tmp_path / "bare.safetensors", num_queries=20, encoder_attention_heads=2, person_label=1)
-    full = detect.load(folder)
+    bare = detector.load(tmp_path / "bare.safetensors", num_queries=20, encoder_attention_heads=2, person_label=1)
+    full = detector.load(folder)
     # id2label: no names in the file; multipliers and point counts: equivalent forms (the same widths, block and
     # point counts, which the strict load has checked)
     ignore = {"id2label", "hidden_expansion", "depth_mult", "decoder_n_points"}
@@ -368,7 +369,7 @@ def test_missing_unexpected_and_misshaped_tensors_are_listed(saved, tmp_path):
 
     edited = copy_with(folder, tmp_path, edit)
     with pytest.raises(weights.CheckpointMismatch) as info:
-        detect.load(edited)
+        detector.load(edited)
     message = str(info.value)
     assert str(edited) in message
     assert "missing (1):\n    decoder.layers.{1}.gateway.gate.weight" in message
@@ -385,7 +386,7 @@ def test_training_only_tensors_are_ignored(saved, tmp_path):
         for key in [k for k in state if k.endswith("num_batches_tracked") or "denoising" in k]:
             del state[key]
 
-    detect.load(copy_with(folder, tmp_path, edit))
+    detector.load(copy_with(folder, tmp_path, edit))
 
 
 def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
@@ -395,24 +396,24 @@ def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
     (bare / "weights.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     save_file({"some.weight": torch.zeros(2)}, str(bare / "other.safetensors"))
     with pytest.raises(ValueError, match=r"other\.safetensors: no config.json beside the weights, and they are not"):
-        detect.load(bare / "other.safetensors")
+        detector.load(bare / "other.safetensors")
     with pytest.raises(ValueError, match=r"unknown D-FINE config fields \['num_querys'\]"):
-        detect.load(bare / "weights.safetensors", num_querys=20)
+        detector.load(bare / "weights.safetensors", num_querys=20)
     with pytest.raises(FileNotFoundError, match=r"nope\.safetensors: no such file or folder"):
-        detect.load(tmp_path / "nope.safetensors")
+        detector.load(tmp_path / "nope.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match=r"junk\.safetensors: not a readable safetensors file"):
-        detect.load(tmp_path / "junk.safetensors")
+        detector.load(tmp_path / "junk.safetensors")
     (bare / "config.json").write_text("{not json")  # beside a file, and a folder's preprocessor config
     with pytest.raises(weights.CheckpointError, match=r"bare/config\.json: not valid JSON"):
-        detect.load(bare / "weights.safetensors")
+        detector.load(bare / "weights.safetensors")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((folder / "config.json").read_text())
     (broken / "model.safetensors").symlink_to(folder / "model.safetensors")
     (broken / "preprocessor_config.json").write_text("[1, 2]")
     with pytest.raises(weights.CheckpointError, match=r"preprocessor_config\.json: expected a JSON object"):
-        detect.load(broken)
+        detector.load(broken)
     config = json.loads((folder / "config.json").read_text())
     for key, value, why in (("eval_idx", 0, "eval_idx=0 is not supported"),
                             ("model_type", "rt_detr", "expected 'd_fine'"),
@@ -422,7 +423,7 @@ def test_errors_name_the_file_and_what_to_do(saved, tmp_path):
         (edited / "config.json").write_text(json.dumps({**config, key: value}))
         (edited / "model.safetensors").symlink_to(folder / "model.safetensors")
         with pytest.raises(ValueError, match=why):
-            detect.load(edited)
+            detector.load(edited)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -455,7 +456,7 @@ def run_pose(cli, out: Path, *extra, tasks="pose", expect=0, capsys=None) -> dic
 def test_cli_detector_file_gives_the_boxes_and_scores(cli, tmp_path, capsys):
     image, _, folder = cli
     run = run_pose(cli, tmp_path, "--detector", folder / "model.safetensors", capsys=capsys)
-    expected = detect.load(folder)(Image.open(image))[0]
+    expected = detector.load(folder)(Image.open(image))[0]
     expected = expected[(expected[:, 2] > 0) & (expected[:, 3] > 0)]
     assert len(expected) >= 1 and run["pose"]["box_source"] == "detector"
     people = run["pose"]["people"]
@@ -487,7 +488,7 @@ def test_cli_boxes_file_wins(cli, tmp_path, capsys):
 def test_cli_unavailable_detector_falls_back_to_seg_once(cli, tmp_path, capsys):
     """The default detector cannot be downloaded here (tests are offline): one note, then the seg blobs."""
     run = run_pose(cli, tmp_path, capsys=capsys)
-    assert run["err"].count("note: no person detector") == 1 and detect.DEFAULT_DETECTOR in run["err"]
+    assert run["err"].count("note: no person detector") == 1 and detector.DEFAULT_DETECTOR in run["err"]
     assert run["pose"]["box_source"] == "segmentation" and run["manifest"]["settings"]["detector"] == "seg"
 
 
@@ -508,7 +509,7 @@ def test_cli_any_callable_is_a_detector(cli, tmp_path, capsys, monkeypatch):
     def two_people(images):
         return [torch.tensor([[1.0, 2.0, 20.0, 30.0, 0.9], [30.0, 10.0, 25.0, 60.0, 0.7]]) for _ in images]
 
-    monkeypatch.setattr(detect, "load", lambda source, **kwargs: two_people)
+    monkeypatch.setattr(detector, "load", lambda source, **kwargs: two_people)
     run = run_pose(cli, tmp_path, "--detector", "my/detector", capsys=capsys)
     assert run["pose"]["box_source"] == "detector"
     assert [p["box"] for p in run["pose"]["people"]] == [[1, 2, 21, 32], [30, 10, 55, 70]]

@@ -253,7 +253,7 @@ def test_missing_onnx_package_one_line_hint(missing, checkpoints, tmp_path, monk
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["pointmap", "--size", "64x48"], "the pointmap scale branch was built for 128x96"),
+    (["pointmap", "--size", "64x48"], "--size 64x48: a 64x48 input does not fit the pointmap scale branch"),
     (["seg", "--dtype", "bf16"], "--format onnx --dtype bf16: ONNX Runtime has no bf16 kernels"),
     (["seg", "-o", "{tmp}/seg.pt2"], "a onnx file should end in .onnx"),
     (["seg", "-o", "{tmp}/a_file/seg.onnx"], "cannot create its folder"),

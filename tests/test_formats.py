@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-import formats
 import predict
 import weights
-from metadata import DATA_DIR, keypoint_metadata
+from processing import DATA_DIR, keypoint_metadata
+from sapiens2_app import formats
 from test_predict import model_args, run_cli, tiny_model, write_images
 
 NAMES = keypoint_metadata()["keypoint_names"]

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 import heads
-import metadata
+import losses
+import processing
 import weights
 from conftest import rel_err
 
@@ -188,7 +189,7 @@ def test_pose_flip_back_and_loss_match_transformers(tmp_path):
     hf, (H, W) = make_hf_task_model("pose", tmp_path)
     ours = weights.load(tmp_path, rope_dtype="float32")
     x = torch.randn(2, 3, H, W)
-    pairs = metadata.flip_pairs()
+    pairs = processing.flip_pairs()
     labels = torch.rand(2, 308, H // 4, W // 4)
     visibility = (torch.rand(2, 308) > 0.3).float()
     with torch.no_grad():
@@ -215,10 +216,10 @@ def test_seg_cross_entropy_matches_transformers(tmp_path):
         expected = hf(x, labels=labels).loss
         logits = ours(x).logits
     # HF: plain CE averaged over the non-ignored pixels
-    assert rel_err(heads.seg_cross_entropy(logits, labels, average_over="valid"), expected) < TOL
+    assert rel_err(losses.seg_cross_entropy(logits, labels, average_over="valid"), expected) < TOL
     # the original divides by all pixels, ignored ones included
     valid_fraction = (labels != 255).float().mean()
-    assert rel_err(heads.seg_cross_entropy(logits, labels), expected * valid_fraction) < TOL
+    assert rel_err(losses.seg_cross_entropy(logits, labels), expected * valid_fraction) < TOL
 
 
 def test_saved_task_models_load_in_transformers(tmp_path):
@@ -241,7 +242,7 @@ def test_saved_task_models_load_in_transformers(tmp_path):
 # Presets, round trips, inference from shapes
 # ----------------------------------------------------------------------------------------------------
 
-# spec/checkpoints.md b.6: HF head parameter counts in millions (pointmap includes the scale head)
+# docs/checkpoints.md, head parameter counts: HF head parameter counts in millions (pointmap includes the scale head)
 HEAD_PARAMS_M = {
     "pose": [30.2, 34.4, 64.3, 53.3], "seg": [11.2, 13.2, 15.3, 22.7],
     "normal": [57.9, 70.3, 83.9, 249.5], "pointmap": [133.2, 153.1, 174.1, 281.4],
@@ -352,29 +353,29 @@ def test_pose_loss_formula():
     pred, target = torch.zeros(1, 2, 2, 2), torch.ones(1, 2, 2, 2)
     weights_ = torch.tensor([[1.0, 0.0]])
     # 10 * mean over all 8 elements of w (P - T)^2 = 10 * 4 / 8
-    assert heads.keypoint_mse_loss(pred, target, weights_).item() == pytest.approx(5.0)
+    assert losses.keypoint_mse_loss(pred, target, weights_).item() == pytest.approx(5.0)
 
 
 def test_seg_dice_loss_perfect_and_ignored():
     labels = torch.tensor([[[0, 1], [2, 255]]])
     perfect = torch.nn.functional.one_hot(labels.clamp(max=2), 3).movedim(-1, 1).float() * 100
-    assert heads.seg_dice_loss(perfect, labels).item() == pytest.approx(0.0, abs=1e-4)
+    assert losses.seg_dice_loss(perfect, labels).item() == pytest.approx(0.0, abs=1e-4)
     background_only = torch.zeros(1, 2, 2, dtype=torch.long)
-    assert heads.seg_dice_loss(torch.randn(1, 3, 2, 2), background_only).item() == 0.0  # no class present
+    assert losses.seg_dice_loss(torch.randn(1, 3, 2, 2), background_only).item() == 0.0  # no class present
 
 
 def test_normal_loss_zero_for_perfect_prediction_and_empty_mask():
     target = torch.nn.functional.normalize(torch.randn(1, 3, 4, 4), dim=1)
-    assert heads.normal_loss(target, target, torch.ones(1, 1, 4, 4)).item() == pytest.approx(0, abs=1e-6)
+    assert losses.normal_loss(target, target, torch.ones(1, 1, 4, 4)).item() == pytest.approx(0, abs=1e-6)
     pred = torch.randn(1, 3, 4, 4, requires_grad=True)
-    empty = heads.normal_loss(pred, target, torch.zeros(1, 1, 4, 4))
+    empty = losses.normal_loss(pred, target, torch.zeros(1, 1, 4, 4))
     empty.backward()
     assert empty.item() == 0 and pred.grad is not None
 
 
 def test_silog_is_scale_invariant_with_lambda_one():
     depth = torch.rand(2, 8, 8) + 1
-    assert heads.silog_loss(depth * 3, depth, torch.ones(2, 8, 8), lam=1.0).item() == pytest.approx(0, abs=1e-3)
+    assert losses.silog_loss(depth * 3, depth, torch.ones(2, 8, 8), lam=1.0).item() == pytest.approx(0, abs=1e-3)
 
 
 @pytest.mark.parametrize("task,bad,match", [
@@ -398,11 +399,30 @@ def test_pointmap_loss_needs_scales_or_intrinsics_and_right_size():
         model(torch.randn(1, 3, 128, 96))
 
 
+def test_scale_branch_problem_is_the_rule_the_pointmap_head_runs_by():
+    """heads.scale_branch_problem (what the commands check --size with) accepts exactly the sizes the head
+    runs at, with the head's own message otherwise; sizes other than the config's image_size fit too."""
+    model = tiny_task_model("pointmap", (256, 192))  # the MLP takes 4 x 1 x 1: features 9-16 patches a side
+    m = model.config.size_multiple
+    for size in [(256, 192), (240, 176), (144, 256), (128, 96), (272, 192)]:
+        problem = heads.scale_branch_problem(model.head_config, size, m)
+        with torch.no_grad():
+            try:
+                model(torch.randn(1, 3, *size))
+            except ValueError as error:
+                assert str(error) == problem, size
+            else:
+                assert problem is None, size
+    assert heads.scale_branch_problem(model.head_config, (240, 176), m) is None
+    assert "a 272x192 input does not fit" in heads.scale_branch_problem(model.head_config, (272, 192), m)
+    assert heads.scale_branch_problem(tiny_task_model("normal").head_config, (272, 192), m) is None  # no branch
+
+
 def test_metadata_is_stored_once():
-    kp, seg = metadata.keypoint_metadata(), metadata.segmentation_metadata()
+    kp, seg = processing.keypoint_metadata(), processing.segmentation_metadata()
     assert len(kp["keypoint_names"]) == 308 and len(kp["flip_pairs"]) == 146
     assert len(seg["class_names"]) == 29 and len(seg["palette_rgb"]) == 29 and len(seg["train_class_weights"]) == 29
-    pairs = metadata.flip_pairs()
+    pairs = processing.flip_pairs()
     order = torch.arange(308)
     order[pairs[:, 0]], order[pairs[:, 1]] = pairs[:, 1], pairs[:, 0]
     assert order.tolist() == kp["flip_indices"]

@@ -13,14 +13,13 @@ import pytest
 import torch
 from PIL import Image
 
-import detect
 import predict
-import safe_io
-import video
 import weights
+from sapiens2_app import detector, inference, models, safe_io, video
 from test_predict import model_args, tiny_model, write_images
 from test_reliability import error_lines, faulty_writer, no_partials, strict_json
 from test_video import av, make_video, person_boxes, read_video, requires_av
+
 FRAMES = 4
 
 
@@ -54,8 +53,8 @@ def test_video_options_are_checked_before_anything_loads(option, value, clip, tm
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(predict, "load_models", refuse)
-    monkeypatch.setattr(predict, "load_detector", refuse)
+    monkeypatch.setattr(models, "load_models", refuse)
+    monkeypatch.setattr(models, "load_detector", refuse)
     out = tmp_path / "out"
     assert predict.main(["pose", str(clip), "-o", str(out), "--smooth", option, value]) == 2
     (line,) = error_lines(capsys.readouterr().err)
@@ -103,7 +102,7 @@ def test_a_video_and_a_folder_of_its_frames_write_apart(checkpoints, clip, tmp_p
 # ----------------------------------------------------------------------------------------------------
 @requires_av
 def test_a_frame_whose_pose_fails(checkpoints, clip, tmp_path, monkeypatch, capsys):
-    real, calls = predict.run_pose, []
+    real, calls = inference.run_pose, []
 
     def pose_fails_on_the_second_frame(ctx, images, boxes):
         calls.append(len(images))
@@ -111,7 +110,7 @@ def test_a_frame_whose_pose_fails(checkpoints, clip, tmp_path, monkeypatch, caps
             raise RuntimeError("simulated pose failure")
         return real(ctx, images, boxes)
 
-    monkeypatch.setattr(predict, "run_pose", pose_fails_on_the_second_frame)
+    monkeypatch.setattr(inference, "run_pose", pose_fails_on_the_second_frame)
     boxes = tmp_path / "boxes.json"
     boxes.write_text(json.dumps({f"clip.mp4#{i}": person_boxes(i) for i in range(FRAMES)}))
     out = tmp_path / "out"
@@ -148,7 +147,7 @@ def test_detector_boxes_on_video_frames(checkpoints, clip, tmp_path, monkeypatch
         seen.extend(tuple(image.shape) for image in images)
         return [torch.tensor([[4.0, 10.0, 20.0, 40.0, 0.9], [50.0, 14.0, 60.0, 40.0, 0.8]]) for _ in images]
 
-    monkeypatch.setattr(detect, "load", lambda source, **kwargs: two_people)
+    monkeypatch.setattr(detector, "load", lambda source, **kwargs: two_people)
     out = tmp_path / "out"
     assert predict.main(["pose", str(clip), "-o", str(out), "--end", "3", "--batch-size", "2", "--no-flip",
                          "--save", "json,coco", "--detector", "my/detector",
@@ -248,7 +247,7 @@ def test_a_failing_detector_fails_pose_alone(checkpoints, photos, tmp_path, monk
             raise RuntimeError("detector out of memory")
         return [torch.tensor([[1.0, 2.0, 20.0, 25.0, 0.9]]) for _ in images]
 
-    monkeypatch.setattr(detect, "load", lambda source, **kwargs: fails_on_a)
+    monkeypatch.setattr(detector, "load", lambda source, **kwargs: fails_on_a)
     out = tmp_path / "out"
     assert predict.main(["seg,pose", str(photos), "-o", str(out), "--batch-size", "2", "--no-flip",
                          "--detector", "my/detector", *model_args(checkpoints, ["seg", "pose"])]) == 1
@@ -264,7 +263,7 @@ def test_non_finite_detector_boxes_are_dropped(checkpoints, photos, tmp_path, mo
         return [torch.tensor([[float("nan"), 3.0, 10.0, 10.0, 0.8], [1.0, 2.0, float("inf"), 10.0, 0.7],
                               [1.0, 2.0, 20.0, 25.0, 0.9]]) for _ in images]
 
-    monkeypatch.setattr(detect, "load", lambda source, **kwargs: one_broken_box)
+    monkeypatch.setattr(detector, "load", lambda source, **kwargs: one_broken_box)
     out = tmp_path / "out"
     assert predict.main(["pose", str(photos), "-o", str(out), "--no-flip", "--detector", "my/detector",
                          "--save", "json", *model_args(checkpoints, ["pose"])]) == 0

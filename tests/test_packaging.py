@@ -1,5 +1,6 @@
-"""A non-editable `pip install .`: the wheel carries the data files, and a command run from the installation (not
-from the checkout) finds them; an installation that lost one stops before any model loads, naming the file."""
+"""A non-editable `pip install .`: the library, sapiens2_app and the data files go to site-packages, the commands to
+bin/; a command run from the installation (not from the checkout) finds the data; an installation that lost a data
+file stops before any model loads, naming the file."""
 
 import os
 import shutil
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from metadata import DATA_FILES
+from processing import DATA_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
+LIBRARY_MODULES = {f"{name}.py" for name in ("sapiens2", "heads", "losses", "processing", "weights", "hub")}
 pytest.importorskip("setuptools")  # the wheel is built without build isolation (no network needed)
 
 
@@ -43,9 +45,9 @@ def run_installed(site: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_wheel_installs_the_data_files(installed, tmp_path):
     assert sorted(p.name for p in (installed / "sapiens2_data").glob("*.json")) == sorted(DATA_FILES)
-    check = ("import metadata, formats; from pathlib import Path; "
-             "print(metadata.DATA_DIR); print(len(metadata.keypoint_metadata()['keypoint_names']), "
-             "len(metadata.segmentation_metadata()['class_names']), len(formats.openpose_table()))")
+    check = ("import processing; from sapiens2_app import formats; "
+             "print(processing.DATA_DIR); print(len(processing.keypoint_metadata()['keypoint_names']), "
+             "len(processing.segmentation_metadata()['class_names']), len(formats.openpose_table()))")
     done = run_installed(installed, "-c", check, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     data_dir, counts = done.stdout.splitlines()
@@ -53,10 +55,18 @@ def test_wheel_installs_the_data_files(installed, tmp_path):
     assert counts == "308 29 4"
 
 
+def test_only_the_library_and_sapiens2_app_are_importable_names(installed):
+    """site-packages gets the library's modules, kernels/, sapiens2_app/ and the data; no generic application names
+    (train, export, video, formats, ...): the commands are scripts in bin/."""
+    top = {p.name for p in installed.iterdir() if not p.name.endswith(".dist-info") and p.name != "__pycache__"}
+    assert top == {"bin", "kernels", "sapiens2_app", "sapiens2_data", *LIBRARY_MODULES}, top
+    assert {p.name for p in (installed / "bin").glob("*.py")} == {"predict.py", "train.py", "export.py"}
+
+
 def test_installed_predict_runs_from_elsewhere(installed, tmp_path):
     Image.fromarray(np.full((40, 30, 3), 128, np.uint8)).save(tmp_path / "photo.png")
-    done = run_installed(installed, "-m", "predict", "seg", "photo.png", "-o", "out", "--random-init", "always",
-                         "--random-backbone", "0.1b", "--size", "64x48", cwd=tmp_path)
+    done = run_installed(installed, str(installed / "bin" / "predict.py"), "seg", "photo.png", "-o", "out",
+                         "--random-init", "always", "--random-backbone", "0.1b", "--size", "64x48", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "photo.seg.png").is_file()
 
@@ -66,8 +76,8 @@ def test_a_missing_data_file_stops_before_any_model_loads(installed, tmp_path):
     shutil.copytree(installed, broken)
     (broken / "sapiens2_data" / "seg29.json").unlink()
     Image.fromarray(np.full((40, 30, 3), 128, np.uint8)).save(tmp_path / "photo.png")
-    done = run_installed(broken, "-m", "predict", "seg", "photo.png", "-o", "out", "--random-init", "always",
-                         "--random-backbone", "0.1b", "--size", "64x48", cwd=tmp_path)
+    done = run_installed(broken, str(broken / "bin" / "predict.py"), "seg", "photo.png", "-o", "out",
+                         "--random-init", "always", "--random-backbone", "0.1b", "--size", "64x48", cwd=tmp_path)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "seg29.json" in lines[0], done.stderr

@@ -14,12 +14,14 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import detect
 import heads
+import hub
 import predict
 import processing
 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
+from sapiens2_app import boxes, detector, inference, inputs, outputs
+from sapiens2_app.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_TASKS = "seg,pose,normal,pointmap,matting,albedo,features"
@@ -191,7 +193,7 @@ def test_pose_boxes_come_from_segmentation(all_tasks_run, checkpoints, images):
         result = json.loads((all_tasks_run / f"{stem}.pose.json").read_text())
         assert result["box_source"] == "segmentation"
         seg = read_png(all_tasks_run / f"{stem}.seg.png")
-        expected = predict.person_boxes(torch.from_numpy(seg).long())
+        expected = boxes.person_boxes(torch.from_numpy(seg).long())
         assert [p["box"] for p in result["people"]] == [[x, y, x + w, y + h] for x, y, w, h in expected]
 
 
@@ -316,8 +318,8 @@ def test_random_init_always_downloads_nothing_and_says_so(images, tmp_path, caps
     def refuse(*args, **kwargs):
         raise AssertionError("--random-init always loaded or downloaded something")
 
-    monkeypatch.setattr(weights, "download", refuse)  # every hub download (checkpoints, detector) goes through it
-    monkeypatch.setattr(detect, "load", refuse)
+    monkeypatch.setattr(hub, "download", refuse)  # every hub download (checkpoints, detector) goes through it
+    monkeypatch.setattr(detector, "load", refuse)
     run_cli("pose", images / "a.jpg", "-o", tmp_path, "--random-init", "always", "--random-backbone", "0.1b",
             "--size", "64x48", "--no-flip", capsys=capsys)
     err = capsys.readouterr().err
@@ -331,15 +333,14 @@ def test_random_init_always_downloads_nothing_and_says_so(images, tmp_path, caps
 def test_random_weight_stamp_is_on_pictures_only(images):
     """RANDOM WEIGHTS is written across the pictures (--save vis alone); files that are raw data (the albedo PNG,
     documented as the raw albedo, among them) are the same as with real weights. run.json marks them random."""
-    models = {task: predict.LoadedModel(tiny_model(task).eval(), task) for task in predict.TASKS}
-    ctx = predict.Context(list(predict.TASKS), models, images, torch.device("cpu"), torch.float32, 1, None, True,
-                          set(predict.KINDS), False, None)
-    item = predict.InputImage(images / "a.jpg", "a.jpg")
+    models = {task: LoadedModel(tiny_model(task).eval(), task) for task in predict.TASKS}
+    ctx = inference.Inference(list(predict.TASKS), models, torch.device("cpu"), torch.float32, 1, None, True, False, None)
+    item = inputs.InputImage(images / "a.jpg", "a.jpg")
     image = processing.load_image(item.path)
-    (result,) = predict.infer(ctx, [item], [image])
+    (result,) = inference.infer(ctx, [item], [image])
     for task, artefacts in predict.ARTEFACTS.items():
-        real = predict.render(task, item, image, result, models[task])
-        random = predict.render(task, item, image, result, predict.LoadedModel(models[task].model, task, random=True))
+        real = outputs.render(task, item, image, result, models[task])
+        random = outputs.render(task, item, image, result, LoadedModel(models[task].model, task, random=True))
         for suffix, kinds in artefacts.items():
             plain, marked = real[suffix](), random[suffix]()
             if isinstance(plain, Image.Image):
@@ -383,18 +384,18 @@ def test_input_forms_and_output_names(tmp_path, monkeypatch):
     (tmp_path / "x" / "notes.md").write_text("not an image")
     (tmp_path / "list.txt").write_text("# people\nx/p.jpg\n\ny/q.png\n")
     monkeypatch.chdir(tmp_path)
-    names = lambda specs: [i.relative for i in predict.collect_inputs(specs)]  # noqa: E731
+    names = lambda specs: [i.relative for i in inputs.collect_inputs(specs)]  # noqa: E731
     assert names(["x/p.jpg", "y/p.jpg"]) == ["x/p.jpg", "y/p.jpg"]  # explicit files: below their common folder
     assert names(["y"]) == ["p.jpg", "q.jpg", "q.png"]  # a folder: below it
     assert names(["*/q.*"]) == ["y/q.jpg", "y/q.png"]  # a glob: below its static part
     assert names(["list.txt"]) == ["x/p.jpg", "y/q.png"]
     assert names(["y", "y/p.jpg"]) == ["p.jpg", "q.jpg", "q.png"]  # the same file twice counts once
-    items = predict.collect_inputs(["y"])
-    assert sorted(predict.output_names(items).values()) == ["p", "q.jpg", "q.png"]  # x.jpg + x.png keep suffixes
+    items = inputs.collect_inputs(["y"])
+    assert sorted(inputs.output_names(items).values()) == ["p", "q.jpg", "q.png"]  # x.jpg + x.png keep suffixes
     with pytest.raises(predict.UsageError, match="same outputs"):
-        predict.collect_inputs(["x", "y"])  # both have p.jpg
+        inputs.collect_inputs(["x", "y"])  # both have p.jpg
     write_images(tmp_path, {"out/p.seg_overlay.jpg": (8, 8), "out/photo.jpg": (8, 8)})  # -o out, inside the input
-    found = [i.relative for i in predict.collect_inputs(["."], exclude=(tmp_path / "out").resolve())]
+    found = [i.relative for i in inputs.collect_inputs(["."], exclude=(tmp_path / "out").resolve())]
     assert found == ["out/photo.jpg", "x/p.jpg", "y/p.jpg", "y/q.jpg", "y/q.png"]  # not our own overlay
 
 
@@ -404,7 +405,7 @@ def test_a_list_file_names_paths_relative_to_its_own_folder(tmp_path, monkeypatc
     write_images(tmp_path, {"lists/photos/a.jpg": (8, 8), "cwd/photos/a.jpg": (8, 8), "lists/b.png": (8, 8)})
     (tmp_path / "lists" / "l.txt").write_text("photos/a.jpg\nb.png\n")
     monkeypatch.chdir(tmp_path / "cwd")
-    items = predict.collect_inputs(["../lists/l.txt"])
+    items = inputs.collect_inputs(["../lists/l.txt"])
     assert [item.path.resolve() for item in items] == [tmp_path / "lists" / "b.png", tmp_path / "lists/photos/a.jpg"]
     with pytest.raises(SystemExit):
         predict.main(["--help"])
@@ -414,7 +415,7 @@ def test_a_list_file_names_paths_relative_to_its_own_folder(tmp_path, monkeypatc
 @pytest.mark.parametrize("count,world", [(0, 2), (5, 2), (7, 3), (2, 4)])
 def test_shards_are_disjoint_and_complete(count, world):
     items = list(range(count))
-    shards = [predict.shard(items, rank, world) for rank in range(world)]
+    shards = [inputs.shard(items, rank, world) for rank in range(world)]
     assert sorted(sum(shards, [])) == items and max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
@@ -496,7 +497,7 @@ def test_connected_components_match_flood_fill(density):
     rng = np.random.default_rng(int(density * 100))
     for shape in [(1, 1), (1, 9), (9, 1), (17, 23), (40, 31)]:
         mask = rng.random(shape) < density
-        assert sorted(predict.connected_components(mask)) == flood_fill_components(mask)
+        assert sorted(boxes.connected_components(mask)) == flood_fill_components(mask)
 
 
 def test_person_boxes_from_segmentation():
@@ -505,10 +506,10 @@ def test_person_boxes_from_segmentation():
     seg[20:90, 50:75] = 3  # another
     seg[95:97, 0:2] = 1  # a speck: dropped
     seg[30:35, 40:44] = 7  # a small blob, under a tenth of the largest: dropped
-    assert predict.person_boxes(seg) == [[50.0, 20.0, 24.0, 69.0], [5.0, 10.0, 24.0, 49.0]]
-    assert predict.person_boxes(torch.zeros(10, 10, dtype=torch.long)) == []
+    assert boxes.person_boxes(seg) == [[50.0, 20.0, 24.0, 69.0], [5.0, 10.0, 24.0, 49.0]]
+    assert boxes.person_boxes(torch.zeros(10, 10, dtype=torch.long)) == []
     big = torch.zeros(1500, 1100, dtype=torch.long)
     big[100:1400, 300:700] = 5  # found on a max-pooled grid: the box can only grow, by under one cell
-    (x, y, w, h), = predict.person_boxes(big)
+    (x, y, w, h), = boxes.person_boxes(big)
     assert 297 <= x <= 300 and 97 <= y <= 100 and 699 <= x + w <= 702 and 1399 <= y + h <= 1402
-    assert predict.whole_image_box(torch.zeros(3, 40, 30)) == [[0.0, 0.0, 29.0, 39.0]]
+    assert boxes.whole_image_box(torch.zeros(3, 40, 30)) == [[0.0, 0.0, 29.0, 39.0]]

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import processing as P
+from sapiens2_app import formats, pictures, targets
 
 FIXTURES = Path(__file__).parent / "fixtures" / "processing"
 PIXEL_TOL = 1e-4
@@ -68,17 +69,17 @@ def pixel_tolerance(meta) -> float:
 def test_preprocess_matches_hf(pad):
     tensors, meta = load_fixture("resize")
     images = [tensors[f"image{i}"].numpy() for i in range(meta["num_images"])]
-    ours = P.preprocess(images, size=tuple(meta["size"]), pad=pad)
+    ours = P.preprocess(images, size=tuple(meta["size"]), pad=pad, resample="hf")
     assert_close(ours.pixel_values, tensors[f"pixel_values_pad{int(pad)}"], pixel_tolerance(meta), "pixel_values")
     # 7.5x downscale: the antialiasing filter spans ~15 source pixels
-    large = P.preprocess([tensors["large"].numpy()], size=tuple(meta["size"]), pad=pad)
+    large = P.preprocess([tensors["large"].numpy()], size=tuple(meta["size"]), pad=pad, resample="hf")
     assert_close(large.pixel_values, tensors[f"large_pad{int(pad)}"], pixel_tolerance(meta), "large image")
 
 
 def test_person_crops_match_hf():
     tensors, meta = load_fixture("crops")
     images = [tensors["image0"].numpy(), tensors["image1"].numpy()]
-    ours = P.preprocess_crops(images, meta["boxes"], size=tuple(meta["size"]))
+    ours = P.preprocess_crops(images, meta["boxes"], size=tuple(meta["size"]), resample="hf")
     # grid_sample on float32 in both: no uint8 rounding involved, so the plain 1e-4 bound applies
     assert_close(ours.pixel_values, tensors["pixel_values"], PIXEL_TOL, "crops")
     assert ours.image_indices == [0, 0, 0, 1, 1]
@@ -87,8 +88,8 @@ def test_person_crops_match_hf():
 @pytest.mark.parametrize("case", ["small", "default"])
 def test_heatmap_targets_match_hf(case):
     tensors, meta = load_fixture(f"heatmap_targets_{case}")
-    heatmaps, weights = P.pose_heatmap_targets(meta["boxes"], meta["keypoints"], tuple(meta["size"]),
-                                               sigma=meta["sigma"])
+    heatmaps, weights = targets.pose_heatmap_targets(meta["boxes"], meta["keypoints"], tuple(meta["size"]),
+                                                     sigma=meta["sigma"])
     assert_close(heatmaps, tensors["heatmaps"], DENSE_TOL, "heatmaps")
     assert torch.equal(weights, tensors["weights"])
     assert weights[..., -1].eq(0).all(), "the keypoint placed far outside the box must get weight 0"
@@ -98,8 +99,8 @@ def test_heatmap_targets_match_hf(case):
 @pytest.mark.parametrize("reduce", [False, True])
 def test_segmentation_targets_match_hf(pad, reduce):
     tensors, _ = load_fixture("segmentation_targets")
-    ours = P.preprocess_segmentation_maps([tensors["map0"], tensors["map1"]], (64, 48), pad=pad,
-                                          reduce_labels=reduce, resample="hf")
+    ours = targets.preprocess_segmentation_maps([tensors["map0"], tensors["map1"]], (64, 48), pad=pad,
+                                                reduce_labels=reduce, resample="hf")
     ref = tensors[f"labels_pad{int(pad)}_reduce{int(reduce)}"].long()
     assert torch.equal(ours, ref), f"{(ours != ref).sum().item()} labels differ"
 
@@ -183,7 +184,7 @@ def test_postprocess_normals_matches_hf():
 def test_postprocess_pointmap_matches_hf():
     tensors, meta = load_fixture("postprocess_dense")
     inputs = P.ModelInputs.layout(meta["source_sizes"], tuple(meta["model_size"]), pad=True)
-    ours = P.postprocess_pointmap(tensors["maps"], tensors["scales"], inputs)
+    ours = P.postprocess_pointmap(tensors["maps"], tensors["scales"], inputs, smooth=False)
     for i in range(2):
         assert_close(ours[i]["pointmap"], tensors[f"pointmap_{i}"], DENSE_TOL, "pointmap")
         assert torch.equal(ours[i]["depth"], ours[i]["pointmap"][2])
@@ -238,7 +239,7 @@ def test_pose_round_trip_through_heatmap_targets():
         points = torch.rand(12, 2, generator=generator) * 0.8 + 0.1
         points = points * torch.tensor([w, h]) + torch.tensor([x, y])
         keypoints.append([torch.cat([points, torch.full((12, 1), 2.0)], dim=1).tolist()])
-    heatmaps, weights = P.pose_heatmap_targets(boxes, keypoints, size=(256, 192), sigma=2.0)
+    heatmaps, weights = targets.pose_heatmap_targets(boxes, keypoints, size=(256, 192), sigma=2.0)
     assert weights.eq(1).all()
     people = _people(P.postprocess_pose(heatmaps, boxes, size=(256, 192)))
     for person, truth, (box,) in zip(people, keypoints, boxes):
@@ -283,7 +284,7 @@ def test_decode_is_vectorised_and_fast():
 # ----------------------------------------------------------------------------------------------------------------
 def test_pad_then_unpad_round_trip():
     image = np.random.default_rng(0).integers(0, 256, size=(90, 250, 3), dtype=np.uint8)
-    inputs = P.preprocess(image, size=(64, 48), pad=True)
+    inputs = P.preprocess(image, size=(64, 48), pad=True, resample="hf")
     top, left, bottom, right = inputs.content_boxes[0]
     assert (top, left, bottom, right) == (23, 0, 40, 48)  # 250 -> 48 wide, 90 -> int(17.28) = 17 high, 47 // 2 above
     padding_value = P.normalize(torch.zeros(3, 1, 1))
@@ -312,11 +313,31 @@ def test_model_size_must_be_multiple_of_16(size):
         P.preprocess(np.zeros((8, 8, 3), np.uint8), size=size)
 
 
+def test_defaults_are_the_original_convention():
+    """What the weights were trained with, as the model's bf16 RoPE default: every default is the original's,
+    resample="hf" / smooth=False switch to transformers' (the two differ here, so the test tells them apart)."""
+    image = np.random.default_rng(1).integers(0, 256, size=(90, 70, 3), dtype=np.uint8)
+    for pad in (False, True):
+        default = P.preprocess(image, (64, 48), pad=pad).pixel_values
+        assert torch.equal(default, P.preprocess(image, (64, 48), pad=pad, resample="original").pixel_values)
+        assert not torch.equal(default, P.preprocess(image, (64, 48), pad=pad, resample="hf").pixel_values)
+    boxes = [[[10.0, 10.0, 8.0, 12.0], [0.0, 0.0, 70.0, 90.0]]]  # one upscaled, one downscaled
+    default = P.preprocess_crops([image], boxes, (64, 48)).pixel_values
+    assert torch.equal(default, P.preprocess_crops([image], boxes, (64, 48), resample="original").pixel_values)
+    assert not torch.equal(default, P.preprocess_crops([image], boxes, (64, 48), resample="hf").pixel_values)
+    crops = P.crop_people(P.load_image(image), boxes[0], (64, 48))
+    assert torch.equal(crops, P.crop_people(P.load_image(image), boxes[0], (64, 48), resample="original"))
+    pointmaps, scales = torch.randn(1, 3, 16, 12, generator=torch.Generator().manual_seed(0)), torch.ones(1, 1)
+    def upsampled(**smooth):
+        return P.postprocess_pointmap(pointmaps, scales, target_sizes=[(64, 48)], **smooth)[0]["pointmap"]
+    assert torch.equal(upsampled(), upsampled(smooth=True)) and not torch.equal(upsampled(), upsampled(smooth=False))
+
+
 def test_original_resampling_is_close_to_hf_on_smooth_images():
     yy, xx = np.mgrid[0:300, 0:200]
     image = np.stack([xx, yy * 0.8, (xx + yy) * 0.5], -1).astype(np.uint8)
     for pad in (False, True):
-        hf = P.preprocess(image, (128, 96), pad=pad).pixel_values
+        hf = P.preprocess(image, (128, 96), pad=pad, resample="hf").pixel_values
         original = P.preprocess(image, (128, 96), pad=pad, resample="original").pixel_values
         # different filters (area/cubic/linear vs antialiased bilinear) on a smooth ramp: within 3 grey levels
         assert max_abs(hf, original) < 3 / (255 * 0.224), f"pad={pad}"
@@ -343,7 +364,7 @@ def test_resize_methods_keep_dtype_and_range():
 def test_original_crops_are_rounded_uint8_values():
     image = np.random.default_rng(0).integers(0, 256, size=(100, 80, 3), dtype=np.uint8)
     boxes = [[[10.0, 10.0, 8.0, 12.0], [0.0, 0.0, 80.0, 100.0]]]  # one upscaled (bicubic), one downscaled
-    hf = P.crop_people(P.load_image(image), boxes[0], (64, 48))
+    hf = P.crop_people(P.load_image(image), boxes[0], (64, 48), resample="hf")
     original = P.crop_people(P.load_image(image), boxes[0], (64, 48), resample="original")
     assert torch.equal(original, original.round()) and original.min() >= 0 and original.max() <= 255
     assert hf.min() < 0 or hf.max() > 255, "bicubic overshoot is kept in HF mode (no clamp there)"
@@ -352,12 +373,12 @@ def test_original_crops_are_rounded_uint8_values():
 
 def test_nearest_segmentation_targets_keep_labels_valid():
     labels = np.random.default_rng(0).integers(0, 29, size=(50, 70)).astype(np.uint8)
-    out = P.preprocess_segmentation_maps(labels, (64, 48), pad=True, pad_value=255)
+    out = targets.preprocess_segmentation_maps(labels, (64, 48), pad=True, pad_value=255)
     assert out.dtype == torch.int64 and out.shape == (1, 64, 48)
     assert set(out.unique().tolist()) <= set(range(29)) | {255}
     assert out[0, 0].eq(255).all(), "the top padding row is ignore_index"
-    reduced = P.preprocess_segmentation_maps(torch.tensor([[0, 1], [2, 255]], dtype=torch.uint8), (16, 16),
-                                             reduce_labels=True)
+    reduced = targets.preprocess_segmentation_maps(torch.tensor([[0, 1], [2, 255]], dtype=torch.uint8), (16, 16),
+                                                   reduce_labels=True)
     assert reduced[0, 0, 0] == 255 and reduced[0, 0, -1] == 0 and reduced[0, -1, 0] == 1 and reduced[0, -1, -1] == 255
 
 
@@ -365,10 +386,10 @@ def test_pointmap_smoothing_only_when_upsampling():
     pointmaps = torch.randn(1, 3, 32, 24, generator=torch.Generator().manual_seed(0))
     scales = torch.tensor([[2.0]])
     down = P.postprocess_pointmap(pointmaps, scales, target_sizes=[(16, 12)], smooth=True)[0]["pointmap"]
-    plain_down = P.postprocess_pointmap(pointmaps, scales, target_sizes=[(16, 12)])[0]["pointmap"]
+    plain_down = P.postprocess_pointmap(pointmaps, scales, target_sizes=[(16, 12)], smooth=False)[0]["pointmap"]
     assert torch.equal(down, plain_down)
     up = P.postprocess_pointmap(pointmaps, scales, target_sizes=[(64, 48)], smooth=True)[0]["pointmap"]
-    plain_up = P.postprocess_pointmap(pointmaps, scales, target_sizes=[(64, 48)])[0]["pointmap"]
+    plain_up = P.postprocess_pointmap(pointmaps, scales, target_sizes=[(64, 48)], smooth=False)[0]["pointmap"]
     assert up.std() < 0.8 * plain_up.std(), "4 Gaussian passes must smooth white noise"
     assert_close(plain_down.mean(), (pointmaps / 2).mean(), 0.05, "scale division")
 
@@ -491,7 +512,7 @@ def test_integer_label_maps_round_like_torchvision():
     """torchvision resizes integer tensors in float and rounds the result (`_cast_squeeze_out`); HF resizes
     label maps with it. uint8 maps keep their own path (tests above, HF fixtures)."""
     labels = torch.randint(0, 29, (16, 32), generator=torch.Generator().manual_seed(0))  # int64
-    ours = P.preprocess_segmentation_maps(labels, (32, 16), resample="hf")[0]
+    ours = targets.preprocess_segmentation_maps(labels, (32, 16), resample="hf")[0]
     interpolated = torch.nn.functional.interpolate(labels[None, None].float(), size=(32, 16), mode="bilinear",
                                                    align_corners=False, antialias=True)[0, 0]
     assert torch.equal(ours, interpolated.round().long())
@@ -607,7 +628,7 @@ def test_draw_pose_uses_original_colours():
     person["keypoints"] = torch.cat([person["keypoints"], torch.tensor([[50.0, 80.0]])])
     person["scores"] = torch.cat([person["scores"], torch.tensor([0.1])])
     person["labels"] = torch.cat([person["labels"], torch.tensor([9])])
-    canvas = P.draw_pose(np.zeros((100, 100, 3), np.uint8), [person], radius=4, thickness=2)
+    canvas = pictures.draw_pose(np.zeros((100, 100, 3), np.uint8), [person], radius=4, thickness=2)
     assert canvas.size == (100, 100)
     assert canvas.getpixel((20, 20)) == tuple(meta["keypoint_colors"][5])
     link = meta["skeleton_links"].index([5, 7])
@@ -616,7 +637,7 @@ def test_draw_pose_uses_original_colours():
 
 
 def test_coco17_skeleton_is_the_coco_body_skeleton():
-    links, _, points, _ = P._skeleton("coco17")
+    links, _, points, _ = pictures._skeleton("coco17")
     assert len(points) == 17 and len(links) == 19  # COCO's 19 body links, wrists at 62 (left) and 41 (right)
     assert [7, 62] in links and [8, 41] in links
     assert P.coco17_indices()[9:11] == (62, 41)
@@ -626,7 +647,7 @@ def test_segmentation_overlay_blends_half_and_half():
     image = np.full((4, 6, 3), 100, np.uint8)
     segmentation = torch.zeros(4, 6, dtype=torch.long)
     segmentation[:, 3:] = 4  # Hair
-    overlay = P.overlay_segmentation(image, segmentation)
+    overlay = pictures.overlay_segmentation(image, segmentation)
     hair = P.segmentation_metadata()["palette_rgb"][4]
     background = P.segmentation_metadata()["palette_rgb"][0]
     assert overlay.getpixel((5, 0)) == tuple(int(round(0.5 * 100 + 0.5 * c)) for c in hair)
@@ -639,16 +660,16 @@ def test_normal_and_depth_images():
     normals[2] = 1.0  # facing the camera
     normals[:, 1, 1] = torch.tensor([1.0, 0.0, 0.0])
     mask = torch.tensor([[True, True], [True, False]])
-    picture = P.normals_to_image(normals, mask)
+    picture = pictures.normals_to_image(normals, mask)
     assert picture.getpixel((0, 0)) == (127, 127, 255)
     assert picture.getpixel((1, 1)) == (0, 0, 0)  # masked out
 
     depth = torch.tensor([[1.0, 2.0], [3.0, 100.0]])
-    picture = P.depth_to_image(depth, mask=mask)
+    picture = pictures.depth_to_image(depth, mask=mask)
     assert picture.getpixel((0, 0)) == (122, 4, 3)  # nearest: the dark red end of Turbo
     assert picture.getpixel((0, 1)) == (48, 18, 59)  # farthest valid pixel: the dark blue end
     assert picture.getpixel((1, 1)) == (0, 0, 0)  # masked out, and its 100 did not stretch the range
-    middle = P.turbo_colormap(torch.tensor([[0.5]]))[:, 0, 0].tolist()
+    middle = pictures.turbo_colormap(torch.tensor([[0.5]]))[:, 0, 0].tolist()
     assert middle == [163, 253, 60]  # published Turbo[128] is (164, 252, 60), within our 2-level bound
 
 
@@ -670,16 +691,16 @@ def test_attention_grid_takes_a_query_row_over_the_patch_keys():
 def test_attention_to_image_colours_the_map_and_blends_it_over_the_image():
     grid = torch.zeros(2, 3)
     grid[1, 2] = 0.5  # the hottest patch: bottom right
-    alone = P.attention_to_image(grid)
+    alone = pictures.attention_to_image(grid)
     assert alone.size == (48, 32)  # 16 pixels a cell; PIL sizes are (width, height)
     assert alone.getpixel((40, 24)) == (122, 4, 3) and alone.getpixel((8, 8)) == (48, 18, 59)  # Turbo's ends
     image = torch.full((3, 20, 30), 100, dtype=torch.uint8)
-    blended = P.attention_to_image(grid, image, opacity=0.25)
+    blended = pictures.attention_to_image(grid, image, opacity=0.25)
     assert blended.size == (30, 20)
     assert blended.getpixel((0, 0)) == tuple(round(0.75 * 100 + 0.25 * c) for c in (48, 18, 59))
-    assert P.attention_to_image(grid, image, opacity=0.0).getpixel((29, 19)) == (100, 100, 100)
+    assert pictures.attention_to_image(grid, image, opacity=0.0).getpixel((29, 19)) == (100, 100, 100)
     with pytest.raises(ValueError, match="not \\(h, w\\)"):
-        P.attention_to_image(torch.zeros(4, 2, 3))
+        pictures.attention_to_image(torch.zeros(4, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -689,14 +710,14 @@ def test_coco_export_formats():
     keypoints = torch.stack([torch.arange(308, dtype=torch.float32), torch.zeros(308)], dim=-1)
     person = {"keypoints": keypoints, "scores": torch.full((308,), 0.5), "labels": torch.arange(308),
               "bbox": torch.tensor([10.0, 20.0, 50.0, 120.0])}
-    coco = P.pose_to_coco([[person]], image_ids=[7], keypoint_format="coco17")[0]
+    coco = formats.pose_to_coco([[person]], image_ids=[7], keypoint_format="coco17")[0]
     assert coco["image_id"] == 7 and coco["bbox"] == [10.0, 20.0, 40.0, 100.0] and coco["score"] == 0.5
     assert len(coco["keypoints"]) == 51 and coco["keypoints"][9 * 3] == 62.0  # COCO left wrist = keypoint 62
-    wholebody = P.pose_to_coco([[person]], image_ids=[7], keypoint_format="coco_wholebody")[0]
-    assert [len(wholebody[k]) // 3 for k in P.WHOLEBODY_PARTS] == [17, 6, 68, 21, 21]
+    wholebody = formats.pose_to_coco([[person]], image_ids=[7], keypoint_format="coco_wholebody")[0]
+    assert [len(wholebody[k]) // 3 for k in formats.WHOLEBODY_PARTS] == [17, 6, 68, 21, 21]
     assert wholebody["lefthand_kpts"][2 * 3] == 44.0  # WholeBody 93 -> keypoint 44
     assert wholebody["face_kpts"][:3] == [0.0, 0.0, 0.0]  # not in the 308 set
-    full = P.pose_to_coco([[person]], image_ids=[7])[0]
+    full = formats.pose_to_coco([[person]], image_ids=[7])[0]
     assert len(full["keypoints"]) == 308 * 3
     json.dumps([coco, wholebody, full])  # serialisable
 
@@ -708,7 +729,7 @@ def test_coco_export_formats():
 def test_gpu_pipeline_matches_cpu_and_stays_on_device():
     tensors, meta = load_fixture("resize")
     images = [torch.from_numpy(tensors[f"image{i}"].numpy()).permute(2, 0, 1).cuda() for i in range(3)]
-    gpu = P.preprocess(images, size=(64, 48), pad=True)
+    gpu = P.preprocess(images, size=(64, 48), pad=True, resample="hf")
     assert gpu.pixel_values.is_cuda
     # CUDA resizes uint8 via float + round, the CPU with a fixed-point kernel: at most one grey level apart
     assert_close(gpu.pixel_values.cpu(), tensors["pixel_values_pad1"][:3], 1 / (255 * 0.224) + 1e-4, "cuda pixels")

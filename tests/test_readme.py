@@ -1,4 +1,4 @@
-"""README snippets that promise to run as written do: extracted from README.md and run in order, each seeing the
+"""Documented snippets that promise to run as written do: extracted from docs/research.md and run in order, each seeing the
 names the ones before it made, in a scratch folder (offline: they make their own random checkpoint)."""
 
 import re
@@ -12,8 +12,8 @@ from conftest import ROOT
 
 
 def python_snippets(section_title: str) -> list[str]:
-    """The ```python blocks of the README section `## {section_title}...`, up to the next `## ` heading."""
-    text = (ROOT / "README.md").read_text()
+    """The ```python blocks of docs/research.md's section `## {section_title}...`, up to the next `## ` heading."""
+    text = (ROOT / "docs" / "research.md").read_text()
     start = text.index(f"\n## {section_title}")
     end = text.find("\n## ", start + 1)
     return re.findall(r"```python\n(.*?)```", text[start:end if end != -1 else None], re.S)

@@ -23,10 +23,12 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import heads
 import predict
 import processing
-import safe_io
 import weights
+from sapiens2_app import inference, inputs, models, pipeline, safe_io
+from sapiens2_app.boxes import fit_boxes, read_boxes_file
 from test_predict import model_args, tiny_model, write_images
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +66,7 @@ def no_model_loads(monkeypatch):
     """For checks that must fail before any model is loaded."""
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
-    monkeypatch.setattr(predict, "load_models", refuse)
+    monkeypatch.setattr(models, "load_models", refuse)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -222,13 +224,13 @@ def test_unreadable_inputs_among_good_ones_are_skipped_before_the_models_load(ch
     (folder / "notes.jpg").write_text("not a jpeg")
     (folder / "empty.png").write_bytes(b"")
     deny_reading(monkeypatch, folder / "locked.jpg", processing.Image, "open")
-    before_loading, real = [], predict.load_models
+    before_loading, real = [], models.load_models
 
     def load_models(*args, **kwargs):
         before_loading.append(capsys.readouterr().err)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(predict, "load_models", load_models)
+    monkeypatch.setattr(models, "load_models", load_models)
     out = tmp_path / "out"
     assert predict.main(["seg", str(folder), "-o", str(out), *model_args(checkpoints, ["seg"])]) == 1
     bad = ["empty.png", "locked.jpg", "notes.jpg"]
@@ -274,7 +276,7 @@ def test_glob_climbing_out_of_its_folder_still_writes_under_out(checkpoints, tmp
     write_images(tmp_path, {"img/a.jpg": (20, 16)})
     (tmp_path / "photos" / "x").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    assert [i.relative for i in predict.collect_inputs(["photos/*/../../img/a.jpg"])] == ["a.jpg"]
+    assert [i.relative for i in inputs.collect_inputs(["photos/*/../../img/a.jpg"])] == ["a.jpg"]
     code = predict.main(["seg", "photos/*/../../img/a.jpg", "-o", "out", *model_args(checkpoints, ["seg"])])
     assert code == 0, capsys.readouterr().err
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.seg*"))
@@ -282,18 +284,18 @@ def test_glob_climbing_out_of_its_folder_still_writes_under_out(checkpoints, tmp
 
 
 def test_output_names_never_leave_out():
-    item = predict.InputImage(Path("/x/a.jpg"), "../a.jpg")
+    item = inputs.InputImage(Path("/x/a.jpg"), "../a.jpg")
     with pytest.raises(predict.UsageError, match="outside the output folder"):
-        predict.output_names([item])
-    assert [predict.climbs_out(n) for n in ("a/../../b", "a/../b", "/abs", "..", "..a")] == [
+        inputs.output_names([item])
+    assert [inputs.climbs_out(n) for n in ("a/../../b", "a/../b", "/abs", "..", "..a")] == [
         True, False, True, True, False]
 
 
 def test_colliding_output_names_are_told_apart(checkpoints, tmp_path, capsys):
     folder = write_images(tmp_path / "in", {"x.jpg": (20, 16), "x.png": (16, 20), "x.jpg.png": (24, 16),
                                             "y.JPG": (16, 16), "Y.png": (16, 16)})
-    items = predict.collect_inputs([str(folder)])
-    names = {item.relative: name for item, name in predict.output_names(items).items()}
+    items = inputs.collect_inputs([str(folder)])
+    names = {item.relative: name for item, name in inputs.output_names(items).items()}
     assert names == {"x.jpg": "x.jpg", "x.jpg.png": "x.jpg.png", "x.png": "x.png", "Y.png": "Y.png",
                      "y.JPG": "y.JPG"}
     assert len({name.casefold() for name in names.values()}) == 5
@@ -308,8 +310,8 @@ def test_colliding_output_names_are_told_apart(checkpoints, tmp_path, capsys):
 
 
 def test_still_clashing_names_get_a_number():
-    items = [predict.InputImage(Path(f"/{i}/{name}"), name) for i, name in enumerate(["a.jpg", "A.jpg", "a.png"])]
-    names = sorted(predict.output_names(items).values())
+    items = [inputs.InputImage(Path(f"/{i}/{name}"), name) for i, name in enumerate(["a.jpg", "A.jpg", "a.png"])]
+    names = sorted(inputs.output_names(items).values())
     assert names == ["A.jpg", "a.jpg~2", "a.png"]
 
 
@@ -329,7 +331,7 @@ def test_symlink_loops_are_not_followed(tmp_path, monkeypatch):
     (tmp_path / "photos" / "me.jpg").symlink_to("me.jpg")  # a file link to itself
     (tmp_path / "photos" / "x.seg.png").symlink_to("x.seg.png")
     monkeypatch.chdir(tmp_path)
-    names = lambda spec: [i.relative for i in predict.collect_inputs([spec], tmp_path / "photos")]  # noqa: E731
+    names = lambda spec: [i.relative for i in inputs.collect_inputs([spec], tmp_path / "photos")]  # noqa: E731
     assert run_with_deadline(lambda: names("photos/**/*.jpg")) == ["a.jpg", "sub/b.jpg"]
     assert run_with_deadline(lambda: names("photos/**")) == ["a.jpg", "sub/b.jpg"]
     assert run_with_deadline(lambda: names("photos")) == ["a.jpg", "sub/b.jpg"]
@@ -339,9 +341,9 @@ def test_existing_paths_with_glob_characters_are_taken_literally(tmp_path, monke
     write_images(tmp_path, {"shot [1].jpg": (8, 8), "shot 1.jpg": (8, 8), "set[2]/c.jpg": (8, 8),
                             "set2/d.jpg": (8, 8)})
     monkeypatch.chdir(tmp_path)
-    assert [i.relative for i in predict.collect_inputs(["shot [1].jpg"])] == ["shot [1].jpg"]
-    assert [i.relative for i in predict.collect_inputs(["set[2]"])] == ["c.jpg"]
-    assert [i.relative for i in predict.collect_inputs(["set[2]/*.jpg"])] == ["set2/d.jpg"]  # not a path: a glob
+    assert [i.relative for i in inputs.collect_inputs(["shot [1].jpg"])] == ["shot [1].jpg"]
+    assert [i.relative for i in inputs.collect_inputs(["set[2]"])] == ["c.jpg"]
+    assert [i.relative for i in inputs.collect_inputs(["set[2]/*.jpg"])] == ["set2/d.jpg"]  # not a path: a glob
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -420,8 +422,8 @@ def test_unwritable_subfolder_fails_its_images_only(checkpoints, tmp_path, monke
                                             "ro/deeper/d.jpg": (20, 16), "z.jpg": (20, 16)})
     out = tmp_path / "out"
     computed = []
-    real_infer = predict.infer
-    monkeypatch.setattr(predict, "infer", lambda ctx, items, images: computed.extend(items) or
+    real_infer = pipeline.infer
+    monkeypatch.setattr(pipeline, "infer", lambda ctx, items, images: computed.extend(items) or
                         real_infer(ctx, items, images))
     faulty_writer(monkeypatch, lambda file: errno.EACCES if (out / "ro") in file.parents else None)
     assert predict.main(["seg", str(folder), "-o", str(out), "--batch-size", "2",
@@ -519,15 +521,15 @@ def test_staging_folder_moves_all_or_nothing(tmp_path, monkeypatch):
 def test_bad_boxes_are_refused(text, phrase, tmp_path):
     (tmp_path / "boxes.json").write_text(text)
     with pytest.raises(predict.UsageError) as info:
-        predict.read_boxes_file(str(tmp_path / "boxes.json"))
+        read_boxes_file(str(tmp_path / "boxes.json"))
     assert phrase in str(info.value) and "boxes.json" in str(info.value)
 
 
 def test_boxes_are_clipped_or_dropped():
     boxes = [[-10, -10, 30, 30], [5, 5, 100, 100], [50, 0, 10, 10], [-20, 0, 20, 10], [0, 0, 0.2, 0.2]]
-    assert predict.fit_boxes(boxes, 40, 30) == [[0.0, 0.0, 20.0, 20.0], [5.0, 5.0, 35.0, 25.0], None, None,
+    assert fit_boxes(boxes, 40, 30) == [[0.0, 0.0, 20.0, 20.0], [5.0, 5.0, 35.0, 25.0], None, None,
                                                 [0.0, 0.0, 1.0, 1.0]]
-    assert predict.fit_boxes([[0, 0, 0, 0]], 1, 1) == [[0.0, 0.0, 1.0, 1.0]]  # a 1x1 image's whole-image box
+    assert fit_boxes([[0, 0, 0, 0]], 1, 1) == [[0.0, 0.0, 1.0, 1.0]]  # a 1x1 image's whole-image box
 
 
 def test_pose_with_odd_boxes(checkpoints, image, tmp_path, capsys):
@@ -574,14 +576,14 @@ def test_extreme_image_shapes_work_for_every_task(checkpoints, tmp_path, capsys)
 
 def test_a_failing_task_fails_alone(checkpoints, tmp_path, monkeypatch, capsys):
     folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (16, 20)})
-    real = predict.run_normal
+    real = inference.run_normal
 
     def normal_fails_on_a(ctx, images):
         if any(image.shape[-2:] == (20, 16) for image in images):
             raise RuntimeError("simulated kernel failure")
         return real(ctx, images)
 
-    monkeypatch.setitem(predict.DENSE_RUNNERS, "normal", normal_fails_on_a)
+    monkeypatch.setitem(inference.DENSE_RUNNERS, "normal", normal_fails_on_a)
     out = tmp_path / "out"
     assert predict.main(["seg,normal", str(folder), "-o", str(out), "--batch-size", "2",
                          *model_args(checkpoints, ["seg", "normal"])]) == 1
@@ -633,11 +635,24 @@ def test_bad_launcher_environment_exits_2_before_loading(env, phrase, image, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_a_size_the_pointmap_scale_branch_takes_is_accepted(checkpoints, image, tmp_path):
+    """The scale branch takes a range of sizes (heads.scale_branch_problem, the one statement of the rule), not only
+    the one the model was built at: another size in that range runs (it was refused)."""
+    model = weights.load(checkpoints["pointmap"])
+    built, m = model.backbone.config.image_size, model.backbone.config.size_multiple
+    fits = [(h * m, w * m) for heights, widths in heads.scale_branch_fits(model.head_config, limit=None)
+            for h in heights for w in widths]
+    other = next(size for size in fits if size != tuple(built) and min(size) >= 32)
+    assert predict.main(["pointmap", str(image), "-o", str(tmp_path), "--size", f"{other[0]}x{other[1]}",
+                         *model_args(checkpoints, ["pointmap"])]) == 0
+    assert strict_json(tmp_path / "run.json")["settings"]["size"] == list(other)
+
+
 def test_size_the_pointmap_model_cannot_take_is_refused_before_any_image(checkpoints, image, tmp_path, capsys):
     assert predict.main(["pointmap", str(image), "-o", str(tmp_path), "--size", "64x48",
                          *model_args(checkpoints, ["pointmap"])]) == 2
     (line,) = error_lines(capsys.readouterr().err)
-    assert "--size 64x48: the pointmap model's scale branch only works at the size it was built for, 256x192" in line
+    assert "--size 64x48: a 64x48 input does not fit the pointmap scale branch" in line
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -803,14 +818,14 @@ def test_processing_keeps_one_pixel_sides():
 def test_a_failed_segmentation_fails_what_needs_it_only(checkpoints, tmp_path, monkeypatch, capsys):
     """--mask-with-seg tasks of that image fail (saying why); pose falls back to the whole image; b is whole."""
     folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (16, 20)})
-    real = predict.run_seg
+    real = inference.run_seg
 
     def seg_fails_on_a(ctx, images):
         if any(image.shape[-2:] == (20, 16) for image in images):
             raise RuntimeError("simulated seg failure")
         return real(ctx, images)
 
-    monkeypatch.setattr(predict, "run_seg", seg_fails_on_a)
+    monkeypatch.setattr(inference, "run_seg", seg_fails_on_a)
     out = tmp_path / "out"
     assert predict.main(["pose,normal", str(folder), "-o", str(out), "--mask-with-seg", "--no-flip", "--batch-size",
                          "2", *model_args(checkpoints, ["seg", "pose", "normal"])]) == 1

@@ -79,7 +79,7 @@ def test_rope_periods_match_the_original_buffer(fixtures_dir):
 
 
 def test_rope_periods_bf16_known_values():
-    # spec/checkpoints.md d.1: the bf16 periods of head dim 64
+    # docs/checkpoints.md, numerics 1: the bf16 periods of head dim 64
     expected = [1, 1.3359375, 1.78125, 2.375, 3.15625, 4.21875, 5.625, 7.5, 10, 13.3125, 17.75, 23.75,
                 31.625, 42.25, 56.25, 75]
     assert rope_periods_bf16(64, 100.0).float().tolist() == expected
@@ -99,7 +99,7 @@ def test_rope_tables_layout():
 # Presets
 # ----------------------------------------------------------------------------------------------------
 
-# spec/checkpoints.md a: parameter counts of the original architectures (backbone only)
+# docs/checkpoints.md, the architecture: parameter counts of the original architectures (backbone only)
 PARAM_COUNTS = {
     "0.1b": 113_993_472,
     "0.4b": 395_450_368,

@@ -1,6 +1,7 @@
-"""train.py and train_data.py on tiny random backbones and synthetic datasets whose labels are learnable:
-loss down and metric up when overfitting, checkpoints that weights.load and predict.py read, exact resume,
-1 process == 2 processes (gloo), augmentations that transform the targets with the image."""
+"""train.py and its sapiens2_app modules (datasets, augmentation, targets, metrics, ...) on tiny random
+backbones and synthetic datasets whose labels are learnable: loss down and metric up when overfitting, checkpoints
+that weights.load and predict.py read, exact resume, 1 process == 2 processes (gloo), augmentations that transform
+the targets with the image."""
 
 import json
 import os
@@ -21,9 +22,10 @@ import heads
 import predict
 import processing
 import train
-import train_data
 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
+from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, optimization, starting_model,
+                          targets)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = (64, 48)  # network input (H, W)
@@ -141,18 +143,18 @@ def test_overfit_each_task(task, backbone, tmp_path):
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == steps and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3]), losses
     final = [r["eval"] for r in log if "eval" in r][-1]
-    name, sign = train_data.MAIN_METRIC[task] if task != "pose" else ("oks_ap", 1)  # PCK@0.05: ~1 px here
+    name, sign = metrics.MAIN_METRIC[task] if task != "pose" else ("oks_ap", 1)  # PCK@0.05: ~1 px here
     # the same metric of the untrained model (fresh head on the same backbone, seed 0)
     model = weights.load(out)
-    info = train_data.dataset_info(task, data)
-    val = train_data.build_dataset(task, data, "val", SIZE, False, info)
-    dist_info = train.Distributed("cpu")
+    info = datasets.dataset_info(task, data)
+    val = datasets.build_dataset(task, data, "val", SIZE, False, info)
+    dist_info = distributed.Distributed("cpu")
     args = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--batch-size", "4",
                                             "--workers", "0"])
     assert train.evaluate(model, val, args, info, dist_info)[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6)
     start = train.build_parser().parse_args([task, "--data", str(data), "-o", str(out), "--model", str(backbone),
                                              "--head", HEADS[task]])
-    fresh, _ = train.build_model(start, info, log=lambda message: None)  # what training started from
+    fresh, _ = starting_model.build_model(start, info, log=lambda message: None)  # what training started from
     before = train.evaluate(fresh.eval(), val, args, info, dist_info)[name]
     assert sign * (final[name] - before) > 0, (before, final)
     assert isinstance(model, heads.TASK_MODELS[task]) and model.head_config.out_channels == info["out_channels"]
@@ -193,19 +195,19 @@ def test_pose_targets_match_processing_and_perfect_heatmaps_score_one(tmp_path):
     """Without augmentation the crop and the UDP targets are processing's (what predict.py uses); the target
     heatmaps decoded as a prediction give PCK 1 and OKS AP 1."""
     data = make_dataset("pose", tmp_path / "data")
-    info = train_data.dataset_info("pose", data)
-    val = train_data.build_dataset("pose", data, "val", SIZE, False, info)
+    info = datasets.dataset_info("pose", data)
+    val = datasets.build_dataset("pose", data, "val", SIZE, False, info)
     person = val.people[0]
     sample = val[(0, 0)]
     image = processing.load_image(person["file"])
-    expected = processing.preprocess_crops([image], [[person["bbox"]]], SIZE).pixel_values[0]
+    expected = processing.preprocess_crops([image], [[person["bbox"]]], SIZE, resample="hf").pixel_values[0]
     torch.testing.assert_close(sample["pixel_values"], expected, atol=1e-4, rtol=0)
-    heatmaps, weights_ = processing.pose_heatmap_targets([[person["bbox"]]], [[person["keypoints"].numpy()]], SIZE,
-                                                         sigma=train_data.heatmap_sigma((16, 12)))
+    heatmaps, weights_ = targets.pose_heatmap_targets([[person["bbox"]]], [[person["keypoints"].numpy()]], SIZE,
+                                                      sigma=targets.heatmap_sigma((16, 12)))
     torch.testing.assert_close(sample["labels"], heatmaps[0], atol=1e-6, rtol=0)
     assert torch.equal(sample["label_weights"], weights_[0]) and sample["label_weights"][3] == 0
-    batch = train_data.collate([val[(i, 0)] for i in range(len(val))])
-    metric = train_data.Metric("pose", info)
+    batch = datasets.collate([val[(i, 0)] for i in range(len(val))])
+    metric = metrics.Metric("pose", info)
     metric.update(heads.PoseOutput(batch["labels"]), batch, torch.ones(len(val)))
     assert metric.result() == {"pck@0.05": pytest.approx(1.0), "oks_ap": pytest.approx(1.0)}
 
@@ -313,9 +315,9 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
     lands on that channel's keypoint in the photo (after a flip: the mirrored keypoint of the other side),
     and the crop shows the keypoint's white dot there."""
     data = make_dataset("pose", tmp_path / "data", count=2, h=96, w=72)
-    info = train_data.dataset_info("pose", data)
-    train_set = train_data.build_dataset("pose", data, "train", (128, 96), True, info)
-    order = train_data.flip_order(17, info["flip_pairs"])
+    info = datasets.dataset_info("pose", data)
+    train_set = datasets.build_dataset("pose", data, "train", (128, 96), True, info)
+    order = dataset_files.flip_order(17, info["flip_pairs"])
     flips = 0
     for seed in SEEDS:
         sample = train_set[(0, seed)]
@@ -325,7 +327,7 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
         assert torch.equal(sample["keypoints"], expected)
         peaks, _ = processing.decode_heatmaps(sample["labels"][None])
         scale = torch.tensor([95 / 23, 127 / 31])
-        in_photo = train_data.apply_affine(sample["to_source"], peaks[0] * scale)
+        in_photo = augmentation.apply_affine(sample["to_source"], peaks[0] * scale)
         inner = (peaks[0] >= 1).all(-1) & (peaks[0][:, 0] <= 22) & (peaks[0][:, 1] <= 30)  # DARK is biased at edges
         seen = (sample["label_weights"] > 0) & inner
         assert seen.sum() >= 8
@@ -346,12 +348,12 @@ def test_dense_inputs_match_predict_preprocessing(task, tmp_path):
     v, u = np.mgrid[0:70, 0:150]  # smooth: the two paddings may differ by a sub-pixel shift (predict.py rounds)
     wide = np.stack([u * 1.6, v * 3.0, 255 - u * 1.6], -1).astype(np.uint8)
     save_png(data / "train" / "images" / "wide.png", wide)
-    save_png(data / "train" / train_data.TARGET_FOLDERS[task] / "wide.png", wide if task == "albedo" else wide[..., 0] % 3)
-    info = train_data.dataset_info(task, data)
-    dataset = train_data.build_dataset(task, data, "train", SIZE, False, info)
+    save_png(data / "train" / dataset_files.TARGET_FOLDERS[task] / "wide.png", wide if task == "albedo" else wide[..., 0] % 3)
+    info = datasets.dataset_info(task, data)
+    dataset = datasets.build_dataset(task, data, "train", SIZE, False, info)
     for index, name in enumerate(dataset.names):
         image = processing.load_image(dataset.images[name])
-        expected = processing.preprocess([image], SIZE, pad=task == "albedo").pixel_values[0]
+        expected = processing.preprocess([image], SIZE, pad=task == "albedo", resample="hf").pixel_values[0]
         sample = dataset[(index, 0)]
         valid = sample["mask"][0] > 0 if task == "albedo" else torch.ones(SIZE, dtype=torch.bool)  # not the padding
         torch.testing.assert_close(sample["pixel_values"][:, valid], expected[:, valid], atol=0.05, rtol=0, msg=name)  # edge rows: 22 vs 22.4
@@ -362,8 +364,8 @@ def dense_augmented(task, tmp_path, classes=None):
     data = make_dataset(task, tmp_path / "data", count=1)
     if classes:
         (data / "classes.json").write_text(json.dumps(classes))
-    info = train_data.dataset_info(task, data)
-    dataset = train_data.build_dataset(task, data, "train", SIZE, True, info)
+    info = datasets.dataset_info(task, data)
+    dataset = datasets.build_dataset(task, data, "train", SIZE, True, info)
     return [dataset[(0, seed)] for seed in SEEDS]
 
 
@@ -418,7 +420,7 @@ def test_new_head_then_continued_head_and_frozen_backbone(backbone, tmp_path, ca
             "--freeze-backbone"]
     assert train.main([str(a) for a in args]) == 0
     err = capsys.readouterr().err
-    assert "continuing the checkpoint's seg head (3 outputs)" in err and "step 2/2" in err
+    assert "continuing the checkpoint's seg head (3 outputs)" in err and "2/2 steps" in err
     after = weights.load(second)
     for (name, a), b in zip(before.state_dict().items(), after.state_dict().values()):
         assert torch.equal(a, b) == name.startswith("backbone."), name
@@ -430,7 +432,7 @@ def test_new_head_then_continued_head_and_frozen_backbone(backbone, tmp_path, ca
 def test_layer_decay_and_no_weight_decay_groups(backbone):
     model = heads.build_task_model(weights.load(backbone).config, heads.HeadConfig("seg", (8,), (8,), 3))
     args = train.build_parser().parse_args(["seg", "--data", "x", "-o", "y", "--layer-decay", "0.5", "--lr", "1"])
-    groups = train.parameter_groups(model, args)
+    groups = optimization.parameter_groups(model, args)
     lr_of = {id(p): (g["lr_scale"], g["weight_decay"]) for g in groups for p in g["params"]}
     named = dict(model.named_parameters())
     assert lr_of[id(named["decode_head.predictor.weight"])] == (1.0, 0.1)  # depth 2: head = layer 3
@@ -439,7 +441,7 @@ def test_layer_decay_and_no_weight_decay_groups(backbone):
     assert lr_of[id(named["backbone.patch_embed.projection.weight"])] == (0.125, 0.1)
     assert lr_of[id(named["backbone.cls_token"])] == (0.125, 0.0)
     assert sum(len(g["params"]) for g in groups) == len(named)
-    assert [train.learning_rate(s, 10, 2, 1.0, 0.0) for s in (0, 1, 2, 6, 9)] == pytest.approx(
+    assert [optimization.learning_rate(s, 10, 2, 1.0, 0.0) for s in (0, 1, 2, 6, 9)] == pytest.approx(
         [0.5, 1.0, 1.0, 0.5 * (1 + np.cos(np.pi * 4 / 8)), 0.5 * (1 + np.cos(np.pi * 7 / 8))])
 
 
@@ -465,6 +467,36 @@ def test_bad_data_is_named(task, damage, message, backbone, tmp_path, capsys):
     if code == 0:  # problems inside a file surface when it is read: the first step
         pytest.fail(f"no error for {message}")
     assert code == 2 and re.search(message, err), err
+
+
+def test_pointmap_size_continues_the_head_its_scale_branch_takes(backbone, tmp_path, capsys):
+    """--size for a pointmap checkpoint: the head continues where its scale branch takes that size
+    (heads.scale_branch_fits: 48-64 x 48-64 for this one, trained at 64x48); elsewhere a new head, whose scale
+    MLP is as wide as the new size needs (it kept the checkpoint's width and failed in the first forward)."""
+    data = make_dataset("pointmap", tmp_path / "data", count=2)
+    assert run_train("pointmap", data, tmp_path / "first", backbone, "--steps", 1, "--batch-size", 2) == 0
+    common = ["pointmap", "--data", data, "--model", tmp_path / "first", "--workers", 0, "--batch-size", 2,
+              "--steps", 1, "--no-progress"]
+    capsys.readouterr()
+    assert train.main([str(a) for a in [*common, "-o", tmp_path / "square", "--size", "64x64"]]) == 0
+    assert "continuing the checkpoint's pointmap head (3 outputs)" in capsys.readouterr().err
+    assert train.main([str(a) for a in [*common, "-o", tmp_path / "tall", "--size", "96x48"]]) == 0
+    assert ("new pointmap head with 3 outputs: the pointmap scale branch is tied to the image size (64, 48)"
+            in capsys.readouterr().err)
+    assert weights.load(tmp_path / "tall").config.image_size == (96, 48)
+
+
+def test_a_bad_keypoint_set_is_not_called_invalid_json(backbone, tmp_path, capsys):
+    """Valid JSON without the keypoint names: the one error line says what is missing (it used to be wrapped
+    in "not valid JSON (...)", since the JSON check caught the keypoint set's own error too)."""
+    data = make_dataset("pose", tmp_path / "data", count=2)
+    path = data / "train" / "annotations.json"
+    coco = json.loads(path.read_text())
+    del coco["categories"][0]["keypoints"]
+    path.write_text(json.dumps(coco))
+    assert run_train("pose", data, tmp_path / "run", backbone, "--steps", 1, "--batch-size", 2) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {path}: categories[0].keypoints (the keypoint names) is missing\n", err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tier: needs CUDA")
@@ -524,7 +556,7 @@ def test_default_head_is_the_released_one_or_scaled_from_it():
         for task, count in layers.items():
             head = heads.default_head(task, config, 3)
             assert len(head.upsample_channels) == count and min(head.upsample_channels + head.conv_channels) >= 8
-            train.check_output_resolution(head, config, "default")  # accepted
+            starting_model.check_output_resolution(head, config, "default")  # accepted
 
 
 @pytest.mark.parametrize("task", ["seg", "pose", "normal"])
@@ -534,10 +566,10 @@ def test_0_1b_and_custom_backbones_train_without_head(task, tmp_path, capsys):
     from sapiens2 import PRESETS
 
     data = make_dataset(task, tmp_path / "data", count=2)
-    info = train_data.dataset_info(task, data)
-    head = train.new_head_config(task, info["out_channels"], PRESETS["0.1b"], None, None)
+    info = datasets.dataset_info(task, data)
+    head = starting_model.new_head_config(task, info["out_channels"], PRESETS["0.1b"], None, None)
     assert head == heads.default_head(task, PRESETS["0.1b"], info["out_channels"])
-    train.check_output_resolution(head, PRESETS["0.1b"], "0.1b")  # accepted
+    starting_model.check_output_resolution(head, PRESETS["0.1b"], "0.1b")  # accepted
     torch.manual_seed(0)
     custom = weights.save(Sapiens2(Sapiens2Config(40, 2, 2, **TINY_CONFIG)), tmp_path / "custom.safetensors")
     out = tmp_path / "run"

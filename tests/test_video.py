@@ -14,9 +14,8 @@ import torch
 from PIL import Image
 
 import predict
-import tracking
-import video
 import weights
+from sapiens2_app import tracking, video
 from test_predict import model_args, read_png, run_cli, tiny_model
 
 try:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 import weights
 from conftest import rel_err
+from hub import hf_cache_dir
 from sapiens2 import Sapiens2, Sapiens2Config
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -397,7 +398,7 @@ class HubStandIn:
 
 @pytest.fixture(params=["huggingface_hub", "builtin"])
 def downloader(request, monkeypatch):
-    """Which downloader weights.download uses: huggingface_hub, or the built-in one (huggingface_hub made
+    """Which downloader hub.download uses: huggingface_hub, or the built-in one (huggingface_hub made
     unimportable, as on a machine without it)."""
     if request.param == "builtin":
         monkeypatch.setitem(sys.modules, "huggingface_hub", None)
@@ -533,7 +534,7 @@ def test_weights_in_the_hugging_face_cache_are_used(hub, tmp_path, monkeypatch, 
     fake_hf_cache(cache, "facebook/sapiens2-test", model)
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv(variable, str(tmp_path / "elsewhere" if variable == "HF_HOME" else cache))
-    assert weights.hf_cache_dir() == cache
+    assert hf_cache_dir() == cache
     assert same_weights(model, weights.load("facebook/sapiens2-test"))
     assert server.requests == []  # nothing downloaded
 
@@ -550,7 +551,7 @@ def test_an_incomplete_hugging_face_cache_entry_is_downloaded(hub, tmp_path, dow
 def test_bf16_inference_close_to_transformers_bf16(tmp_root):
     """bf16 end to end vs HF in bf16. Tolerance 5e-2 (measured ~2e-2): both round every activation to bf16 (8 bits of
     mantissa, ~4e-3 per op) over 18 blocks, and the RMSNorms round at different points (ours once at
-    the end, HF before the weight multiply: spec checkpoints.md d.8)."""
+    the end, HF before the weight multiply: docs/checkpoints.md, numerics 8)."""
     hf, directory = saved_hf_model("gqa-rule", tmp_root)
     ours = weights.load(directory, rope_dtype="float32", dtype=torch.bfloat16)
     x = torch.randn(1, 3, 48, 80)

@@ -11,13 +11,14 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 import processing
-from metadata import keypoint_metadata, read_data
+from processing import keypoint_metadata, read_data
 
 OPENPOSE_VERSION = 1.3  # the layout below: people[] with person_id and the *_keypoints_2d / *_3d arrays
 OPENPOSE_PARTS = ("pose_keypoints_2d", "face_keypoints_2d", "hand_left_keypoints_2d", "hand_right_keypoints_2d")
@@ -153,8 +154,78 @@ def openpose_json(people: list[dict], names: tuple[str, ...] | None = None) -> d
 # ----------------------------------------------------------------------------------------------------
 # COCO: one OUT/coco_keypoints.json per run
 # ----------------------------------------------------------------------------------------------------
+WHOLEBODY_PARTS = {"keypoints": (0, 17), "foot_kpts": (17, 23), "face_kpts": (23, 91),
+                   "lefthand_kpts": (91, 112), "righthand_kpts": (112, 133)}  # COCO-WholeBody's 133 keypoints
+
+
+def pose_to_coco(results: list[list[dict]], image_ids: Sequence[int], keypoint_format: str = "keypoints308",
+                 category_id: int = 1, score_threshold: float = 0.2, names: Sequence[str] | None = None
+                 ) -> list[dict]:
+    """Pose results -> COCO keypoint-detection results (JSON-serialisable list of dicts).
+
+    keypoint_format: "keypoints308" (all 308), "coco17" (COCO body), or "coco_wholebody" (133 keypoints split
+    into keypoints / foot_kpts / face_kpts / lefthand_kpts / righthand_kpts as the COCO-WholeBody evaluator
+    reads them). Each keypoint is `[x, y, score]`; keypoints the 308 set lacks (most of the 68 WholeBody face
+    points) or that were thresholded away are `[0, 0, 0]`. The person score is the mean of the keypoint scores
+    above `score_threshold` (mmpose's rescoring without a detector score); bbox is xywh.
+    `names`: the model's keypoint names (None: the 308); people's labels index them, and the exported points
+    are found by name (a point the model lacks is `[0, 0, 0]`). keypoint_format "model": the model's own
+    keypoints in its order (the 308 for the released model).
+    """
+    if len(image_ids) != len(results):
+        raise ValueError(f"{len(results)} images of results but {len(image_ids)} image ids")
+    names = tuple(names) if names is not None else tuple(keypoint_metadata()["keypoint_names"])
+    source_ids = export_indices(keypoint_format, names)
+    entries = []
+    for image_id, people in zip(image_ids, results):
+        for person in people:
+            table = _full_keypoint_table(person, len(names))  # (K, 3)
+            picked = [table[i] if i >= 0 else [0.0, 0.0, 0.0] for i in source_ids]
+            scores = [s for _, _, s in picked if s > score_threshold]
+            x0, y0, x1, y1 = person["bbox"].tolist()
+            entry = {"image_id": image_id, "category_id": category_id, "bbox": [x0, y0, x1 - x0, y1 - y0],
+                     "score": float(sum(scores) / len(scores)) if scores else 0.0}
+            if keypoint_format == "coco_wholebody":
+                for name, (start, stop) in WHOLEBODY_PARTS.items():
+                    entry[name] = [v for point in picked[start:stop] for v in point]
+            else:
+                entry["keypoints"] = [v for point in picked for v in point]
+            entries.append(entry)
+    return entries
+
+
+def export_indices(keypoint_format: str, names: Sequence[str]) -> list[int]:
+    """For each exported keypoint, its index among the model's keypoint `names` (-1: the model has no such
+    point)."""
+    if keypoint_format == "model":
+        return list(range(len(names)))
+    position = {name: i for i, name in enumerate(names)}
+    names308 = keypoint_metadata()["keypoint_names"]
+    return [position.get(names308[k], -1) if k >= 0 else -1 for k in _export_indices(keypoint_format)]
+
+
+def _export_indices(keypoint_format: str) -> list[int]:
+    """For each exported keypoint, its index among the 308 (-1 where the 308 set has no such point)."""
+    if keypoint_format == "keypoints308":
+        return list(range(keypoint_metadata()["num_keypoints"]))
+    if keypoint_format == "coco17":
+        return list(processing.coco17_indices())
+    if keypoint_format == "coco_wholebody":
+        mapping = dict(keypoint_metadata()["coco_wholebody_to_keypoints308"])
+        return [mapping.get(i, -1) for i in range(133)]
+    raise ValueError(f"keypoint_format must be 'keypoints308', 'coco17', 'coco_wholebody' or 'model', "
+                     f"got {keypoint_format!r}")
+
+
+def _full_keypoint_table(person: dict, count: int) -> list[list[float]]:
+    table = [[0.0, 0.0, 0.0] for _ in range(count)]
+    for k, (x, y), s in zip(person["labels"].tolist(), person["keypoints"].tolist(), person["scores"].tolist()):
+        table[k] = [x, y, s]
+    return table
+
+
 class CocoResults:
-    """COCO keypoint-detection results gathered image by image (processing.pose_to_coco), written once at the
+    """COCO keypoint-detection results gathered image by image (pose_to_coco), written once at the
     end: a list of {image_id, category_id, keypoints (or the five WholeBody parts), score, bbox} plus
     "image_file" (the input's relative path, `clip.mp4#12` for a video frame).
 
@@ -169,7 +240,7 @@ class CocoResults:
         self.images: dict[str, tuple[str, list[dict]]] = {}  # output name -> (image file, entries without id)
 
     def add(self, name: str, image_file: str, people: list[dict]):
-        entries = processing.pose_to_coco([[at_file_precision(p, len(self.names)) for p in people]], [0],
+        entries = pose_to_coco([[at_file_precision(p, len(self.names)) for p in people]], [0],
                                           self.keypoint_format, names=self.names)
         for entry in entries:
             del entry["image_id"]

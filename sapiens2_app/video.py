@@ -12,24 +12,21 @@ import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 from PIL import Image
 
-import formats
-import tracking
-from safe_io import atomic_write, temporary_path
+from sapiens2_app import formats, tracking
+from sapiens2_app.artefacts import overlay_suffix
+from sapiens2_app.inputs import InputImage, frame_name, frame_of
+from sapiens2_app.pipeline import Run, StopRun
+from sapiens2_app.safe_io import atomic_write, temporary_path
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}
 ENCODERS = ("libx264", "mpeg4")  # H.264 where FFmpeg has it, else MPEG-4 part 2 (in every FFmpeg build)
 H264_QUALITY = "18"  # x264 CRF: visually lossless for these pictures
 DEFAULT_RATE = Fraction(30)  # when a file does not say its frame rate
-
-
-def is_video(path: Path) -> bool:
-    return path.suffix.lower() in VIDEO_SUFFIXES
 
 
 def require_av():
@@ -51,16 +48,6 @@ def check_video_file(path: Path):
                 raise ValueError(f"{path}: no video stream in it")
     except (av.FFmpegError, OSError) as error:
         raise ValueError(f"{path}: cannot be read as a video ({error})") from None
-
-
-def overlay_suffix(picture_suffix: str) -> str:
-    """`.seg_overlay.jpg` -> `.seg_overlay.mp4`: the overlay video of a picture kind."""
-    return picture_suffix.rsplit(".", 1)[0] + ".mp4"
-
-
-def frame_name(video_name: str, index: int) -> str:
-    """The output name of a frame: `clip/000123` (zero-based index, six digits)."""
-    return f"{video_name}/{index:06d}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -201,17 +188,8 @@ class OverlayVideos:
 
 
 # ----------------------------------------------------------------------------------------------------
-# A video through predict.py's pipeline
+# A video through the pipeline
 # ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Pipeline:
-    """What predict.py lends a video: run a batch (infer, write with `write`, report failures), write one
-    frame's files, check a frame's files exist."""
-    process: Callable  # (ctx, [(item, image)], progress, write) -> None
-    write_outputs: Callable  # (ctx, item, image, result) -> ({suffix: what was written}, [(task, error)])
-    all_written: Callable  # (ctx, item) -> bool
-
-
 @dataclass(frozen=True)
 class VideoSettings:
     selection: FrameSelection = FrameSelection()
@@ -221,17 +199,34 @@ class VideoSettings:
     picture_suffixes: tuple[str, ...] = ()  # the pictures that get an overlay video (empty: none)
 
 
+def process_video(run: Run, clip: InputImage, settings: VideoSettings) -> dict:
+    """A video's frames through the pipeline; one that cannot be read, or is damaged partway, is reported like a
+    bad image (its frames before the damage are kept). Returns its summary for run.json."""
+    try:
+        summary = VideoRun(run, clip, settings).run()
+    except StopRun:  # disk full, OUT read-only: the whole run stops (not this video alone)
+        raise
+    except Exception as error:  # noqa: BLE001 (as for images: one bad input must not end the run)
+        summary = {"error": error}
+    if "error" in summary:
+        run.progress.total += 1  # the failure counts as one item done
+        run.fail(clip, [(None, summary["error"])])
+        summary["error"] = f"{type(summary['error']).__name__}: {summary['error']}"
+    return summary
+
+
 class VideoRun:
     """One video: frames in order -> batches -> the image pipeline; people tracked before their files are
     written, pictures encoded as they come, tracks.json at the end."""
 
-    def __init__(self, ctx, clip, settings: VideoSettings, progress, pipeline: Pipeline):
-        self.ctx, self.clip, self.settings, self.progress, self.pipeline = ctx, clip, settings, progress, pipeline
-        self.name = ctx.names[clip]
+    def __init__(self, run: Run, clip: InputImage, settings: VideoSettings):
+        self.pipeline, self.outputs, self.clip, self.settings = run, run.outputs, clip, settings
+        self.progress = run.progress
+        self.name = self.outputs.names[clip]
         self.rate = self.probe_rate()
         self.tracker = (tracking.Tracker(float(self.rate), settings.patience, settings.smoothing)
-                        if "pose" in ctx.tasks else None)
-        self.overlays = OverlayVideos(ctx.out / self.name, self.rate, list(settings.picture_suffixes))
+                        if "pose" in self.outputs.tasks else None)
+        self.overlays = OverlayVideos(self.outputs.stem(clip), self.rate, list(settings.picture_suffixes))
         self.index: dict = {}  # frame item -> frame index
         self.written = self.skipped = self.sent = 0  # frames written, skipped as done, sent to the pipeline
 
@@ -240,11 +235,10 @@ class VideoRun:
         with av.open(str(self.clip.path)) as container:
             return stream_rate(container.streams.video[0])
 
-    def frame(self, index: int):
+    def frame(self, index: int) -> InputImage:
         """A frame as an input item: `clip.mp4#12` (the --boxes key), written to OUT/clip/000012.*"""
-        item = dataclasses.replace(self.clip, path=Path(f"{self.clip.path}#{index}"),
-                                   relative=f"{self.clip.relative}#{index}")
-        self.ctx.names[item] = frame_name(self.name, index)
+        item = frame_of(self.clip, index)
+        self.outputs.names[item] = frame_name(self.name, index)
         self.index[item] = index
         return item
 
@@ -258,13 +252,13 @@ class VideoRun:
             try:
                 for index, image in decode(self.clip.path, self.settings.selection):
                     item = self.frame(index)
-                    if self.settings.skip_existing and self.pipeline.all_written(self.ctx, item):
+                    if self.settings.skip_existing and self.outputs.all_written(item):
                         self.flush(pending)
                         if self.resume(item):
                             self.forget([item])
                             continue
                     pending.append((item, image))
-                    if len(pending) == self.ctx.batch_size:
+                    if len(pending) == self.pipeline.inference.batch_size:
                         self.flush(pending)
             except av.FFmpegError as error:
                 damaged = error
@@ -274,7 +268,7 @@ class VideoRun:
             self.progress.total += self.sent - expected
             overlays = self.overlays.close(keep=completed)
             if completed and self.tracker is not None:
-                atomic_write(self.ctx.out / f"{self.name}.tracks.json", self.tracks_json())
+                atomic_write(self.outputs.out / f"{self.name}.tracks.json", self.tracks_json())
         if completed and damaged is None and self.sent + self.skipped < expected:  # FFmpeg ends truncated files quietly
             self.progress.note(f"warning: {self.clip.path}: {self.sent + self.skipped} of the {expected} selected "
                                f"frames its header announces were decoded (a truncated file?)")
@@ -286,36 +280,36 @@ class VideoRun:
     def flush(self, pending: list):
         if pending:
             self.sent += len(pending)
-            self.pipeline.process(self.ctx, list(pending), self.progress, self.write)
+            for item, image, result in self.pipeline.infer(list(pending)):
+                self.write(item, image, result)
             self.forget([item for item, _ in pending])
             pending.clear()
 
     def forget(self, items: list):
         """Frames done: their names go, so a long video's bookkeeping stays small."""
         for item in items:
-            self.ctx.names.pop(item, None)
+            self.outputs.names.pop(item, None)
             self.index.pop(item, None)
 
-    def write(self, ctx, item, image, result: dict) -> tuple[dict, list]:
+    def write(self, item: InputImage, image: torch.Tensor, result: dict):
+        """The frame's files (people tracked first: ids, and smoothing, go into pose.json), then its pictures into
+        the overlay videos (the source frame where a task failed, so they keep one frame per processed frame)."""
         if self.tracker is not None and isinstance(result.get("pose"), dict):  # not a failed pose
-            self.tracker.update(self.index[item], result["pose"]["people"])  # ids (and smoothing) before pose.json
-        try:
-            written, failures = self.pipeline.write_outputs(ctx, item, image, result)
-        except OSError:  # the frame fails (or the run stops): its place in the overlay videos is kept
-            with contextlib.suppress(Exception):  # the write error is what to report (a full disk fails this too)
+            self.tracker.update(self.index[item], result["pose"]["people"])
+        written, complete = self.pipeline.write(item, image, result)
+        if written or complete:
+            self.overlays.add(written, image)
+        else:  # nothing written (a write error): the frame keeps its place; a full disk may fail this too
+            with contextlib.suppress(Exception):
                 self.overlays.add({}, image)
-            raise
-        self.overlays.add(written, image)
-        self.written += not failures  # as run.json's counts: a frame with a failed task is a failed frame
-        return written, failures
+        self.written += complete  # as run.json's counts: a frame with a failed task is a failed frame
 
     def resume(self, item) -> bool:
         """A frame an earlier run wrote: its people and pictures read back, so tracks, overlay videos and the
         COCO results carry on as in one run. False, with a warning, when its pose.json is there but cannot be
         read (damaged): the frame is then run again. (Without --save json there is none to read.)"""
-        stem = self.ctx.out / self.ctx.names[item]
-        pose = stem.with_name(stem.name + ".pose.json")
-        if (self.tracker is not None or self.ctx.coco is not None) and pose.exists():
+        pose = self.outputs.path(item, ".pose.json")
+        if (self.tracker is not None or self.outputs.coco is not None) and pose.exists():
             try:
                 image, people = formats.read_pose_json(pose)
             except ValueError as error:
@@ -323,12 +317,12 @@ class VideoRun:
                 return False
             if self.tracker is not None:
                 self.tracker.restore(self.index[item], people)
-            if self.ctx.coco is not None:
-                self.ctx.coco.add(self.ctx.names[item], image, people)
+            if self.outputs.coco is not None:
+                self.outputs.coco.add(self.outputs.names[item], image, people)
         self.skipped += 1
         pictures = {}
         for suffix in self.settings.picture_suffixes:
-            path = stem.with_name(stem.name + suffix)
+            path = self.outputs.path(item, suffix)
             if path.exists():
                 with Image.open(path) as picture:
                     pictures[suffix] = picture.convert("RGB")

@@ -1,0 +1,157 @@
+"""What the three commands share on the command line: the one user-error type, the argument parser that reports in
+one line, the parsers of shared options (--size, --device, --dtype), the launcher's environment (RANK, WORLD_SIZE)
+and the one handling of Ctrl-C and SIGTERM.
+
+    try: ...
+    except UsageError as error:        # bad arguments, inputs, data or checkpoints: `error: ...`, exit status 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import threading
+
+import torch
+
+import weights
+from sapiens2 import Sapiens2Config
+
+PATCH_SIZE = Sapiens2Config.patch_size
+SIZE_RANGE = (32, 4096)  # --size sides, pixels: a 2x2 patch grid at least (the heads' norms need >1 cell); 4K at most
+MAX_WORLD_SIZE = 65536
+INTERRUPTED, TERMINATED = 130, 143  # exit statuses after Ctrl-C and SIGTERM, as a shell reports them
+
+
+class UsageError(Exception):
+    """Bad arguments, inputs, data or checkpoints, found by any command: reported as one `error:` line naming the
+    argument or file and what to do, without a traceback; exit status 2."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error here (the usage text is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def one_line(message: str, limit: int = 600) -> str:
+    """A multi-line message (a checkpoint's key listing) as one line, shortened."""
+    text = ""
+    for line in (line.strip() for line in str(message).splitlines() if line.strip()):
+        text += ("" if not text else " " if text.endswith(":") else "; ") + line
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared options
+# ----------------------------------------------------------------------------------------------------
+def parse_size(text: str) -> tuple[int, int]:
+    """--size of predict.py, train.py and export.py: HxW (or H,W), each side a multiple of the patch size within
+    SIZE_RANGE."""
+    match = re.fullmatch(r"(\d+)[xX,](\d+)", text.strip())
+    low, high = SIZE_RANGE
+    if not match:
+        raise argparse.ArgumentTypeError(f"size must be HEIGHTxWIDTH, e.g. 1024x768, got {text!r}")
+    size = int(match[1]), int(match[2])
+    if any(not low <= side <= high or side % PATCH_SIZE for side in size):
+        raise argparse.ArgumentTypeError(f"{text}: each side must be a multiple of {PATCH_SIZE} from "
+                                         f"{low} to {high}, e.g. 1024x768")
+    return size
+
+
+def pick_device(name: str | None) -> torch.device:
+    """--device, else cuda:LOCAL_RANK when there is a GPU, else the CPU; a device that is not there is a UsageError."""
+    try:
+        device = torch.device(name) if name else None
+    except RuntimeError:
+        raise UsageError(f"--device {name!r}: expected cpu, cuda or cuda:N") from None
+    if device is None:
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0").strip() or 0))
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise UsageError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+        if (device.index or 0) >= count:
+            raise UsageError(f"device {device} (--device or LOCAL_RANK): only GPUs 0 to {count - 1} are visible")
+    return device
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """--dtype, else bf16 on GPUs that support it, else fp32."""
+    if name:
+        return weights.parse_dtype(name)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+# ----------------------------------------------------------------------------------------------------
+# The launcher's environment (torchrun)
+# ----------------------------------------------------------------------------------------------------
+def rank_and_world() -> tuple[int, int]:
+    """From torchrun's (or any launcher's) RANK / WORLD_SIZE environment variables; 0, 1 when absent.
+    LOCAL_RANK (the GPU of this process) is checked here too, so a bad launch fails before any model loads."""
+    world = env_int("WORLD_SIZE", 1, 1, MAX_WORLD_SIZE)
+    rank = env_int("RANK", 0, 0, world - 1)
+    env_int("LOCAL_RANK", 0, 0, world - 1)
+    return rank, world
+
+
+def env_int(name: str, default: int, low: int, high: int) -> int:
+    """A whole number from the environment in [low, high], else a UsageError that gives the range."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not re.fullmatch(r"\d+", text) or not low <= int(text) <= high:
+        raise UsageError(f"environment variable {name}={os.environ[name]!r}: expected a whole number from "
+                         f"{low} to {high}" + (" (WORLD_SIZE - 1)" if name != "WORLD_SIZE" else ""))
+    return int(text)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ctrl-C and SIGTERM
+# ----------------------------------------------------------------------------------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `kill`'s stop), raised where Ctrl-C would be, so both stop a command the same way."""
+
+
+class StopSignals:
+    """The one handling of Ctrl-C and SIGTERM, for the duration of a `with` block (in the main thread; elsewhere
+    Python delivers no signals).
+
+    Without `on_request` (predict.py, export.py): both raise at once, Ctrl-C as KeyboardInterrupt and SIGTERM as
+    Terminated; the command's cleanup runs as for Ctrl-C.
+    With `on_request` (train.py: stop after the step, with a checkpoint): the first Ctrl-C or SIGTERM sets
+    `requested` and calls on_request(signum); a second Ctrl-C raises KeyboardInterrupt at once."""
+
+    def __init__(self, on_request=None):
+        self.on_request, self.requested, self.previous = on_request, False, {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum, frame):
+        if self.on_request is None:
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt()
+        self.requested = True
+        self.on_request(signum)
+
+
+def ignore_stop_signals(_worker_id: int | None = None):
+    """In a worker process (data loading): Ctrl-C and SIGTERM are the main process's to act on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
