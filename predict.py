@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import time
@@ -47,14 +48,23 @@ from sapiens2_app.runtime_info import versions
 from sapiens2_app.safe_io import atomic_write, os_error_text, remove_stale_temporaries
 
 MAX_BATCH_SIZE = 1024
+MAX_WORKERS = 64
 
 
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
 def parse_batch_size(text: str) -> int:
-    if not re.fullmatch(r"\d+", text.strip()) or not 1 <= int(text) <= MAX_BATCH_SIZE:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from 1 to {MAX_BATCH_SIZE}")
+    return parse_count(text, 1, MAX_BATCH_SIZE)
+
+
+def parse_workers(text: str) -> int:
+    return parse_count(text, 0, MAX_WORKERS)
+
+
+def parse_count(text: str, low: int, high: int) -> int:
+    if not re.fullmatch(r"\d+", text.strip()) or not low <= int(text) <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from {low} to {high}")
     return int(text)
 
 
@@ -96,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: bfloat16 on GPUs that support it, else float32")
     parser.add_argument("--batch-size", type=parse_batch_size,
                         help="images per forward pass, people for pose (default: 4 on GPU, 1 on CPU)")
+    parser.add_argument("--workers", type=parse_workers, metavar="N",
+                        help="threads that render, encode and write the files while the model runs (default: the CPU "
+                             "cores this process may use, at most 8); 0: one image after the other in one thread")
     parser.add_argument("--size", type=parse_size, metavar="HxW",
                         help="model input size (default: the model's, 1024x768)")
     parser.add_argument("--no-flip", dest="flip", action="store_false", help="pose: skip the flip test (2x faster)")
@@ -148,6 +161,12 @@ def parse_kinds_arg(text: str) -> set[str]:
         return parse_kinds(text)
     except UsageError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def default_workers() -> int:
+    """The CPU cores this process may use (its affinity: a container's or a scheduler's share), at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 8)
 
 
 def random_banner(loaded: dict[str, LoadedModel], random_init: str, detector: str | None) -> str:
@@ -243,7 +262,8 @@ def run(args, argv: list[str]) -> int:
 
     frames = sum(video.expected_frames(clip.path, settings.selection) for clip in clips)
     progress = Progress(len(todo) + frames, prefix=prefix, bar=rank == 0 or not sys.stderr.isatty())
-    pipeline = Run(inference, outputs, progress, warnings=warnings)
+    pipeline = Run(inference, outputs, progress, warnings=warnings,
+                   workers=default_workers() if args.workers is None else args.workers)
     record_unreadable(pipeline, manifest, unreadable)
     stopped = None
     try:

@@ -44,7 +44,8 @@ class LoadedModel:
 
     @property
     def backbone(self) -> Sapiens2:
-        return self.model.backbone if isinstance(self.model, heads.Sapiens2ForTask) else self.model
+        """The task model's backbone, or the model itself (a backbone, for features)."""
+        return getattr(self.model, "backbone", self.model)
 
 
 # ----------------------------------------------------------------------------------------------------

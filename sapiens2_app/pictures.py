@@ -122,11 +122,23 @@ def overlay_segmentation(image, segmentation: torch.Tensor, opacity: float = 0.5
     """Palette colours blended over the image, `(1 - opacity) * image + opacity * colour`, rounded
     (cv2.addWeighted in the original SegVisualizer, opacity 0.5). `num_classes`: the model's class count
     (`segmentation_palette`)."""
-    image = load_image(image).float().to(segmentation.device)
+    image = load_image(image).to(segmentation.device)
     if image.shape[-2:] != segmentation.shape[-2:]:
         raise ValueError(f"image is {tuple(image.shape[-2:])} but the segmentation is {tuple(segmentation.shape)}")
-    blended = (1 - opacity) * image + opacity * colorize_segmentation(segmentation, num_classes).float()
+    colours = colorize_segmentation(segmentation, num_classes)
+    if opacity == 0.5 and image.dtype == torch.uint8:
+        return to_pil(half_blend(image, colours))
+    blended = (1 - opacity) * image.float() + opacity * colours.float()
     return to_pil(blended.round().clamp(0, 255).to(torch.uint8))
+
+
+def half_blend(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """round((a + b) / 2) of uint8 images, rounding halves to even as torch.round does, in integers: what the
+    float formula gives at opacity 0.5 (0.5 a + 0.5 b is exact in float32 for 8-bit values), at a fraction of its
+    cost on a CPU."""
+    total = a.to(torch.int16) + b  # (the sum needs 9 bits)
+    half = total >> 1
+    return (half + (total & half & 1)).to(torch.uint8)  # an odd sum ends in .5: up only when that makes it even
 
 
 def normals_to_image(normals: torch.Tensor, mask: torch.Tensor | None = None,

@@ -38,6 +38,7 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     outcomes: dict[InputImage, str] = field(default_factory=dict)  # "written" or "failed"
     blocked: dict[Path, str] = field(default_factory=dict)  # output folders found unwritable -> why
+    workers: int = 0  # render/encode threads beside the model (0: one image after the other, in this thread)
 
     @property
     def done(self) -> int:

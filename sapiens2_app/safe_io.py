@@ -27,6 +27,9 @@ import numpy as np
 
 from weights import new_file_mode, save_safetensors
 
+# zlib effort of the PNG outputs. Pillow's default, 6, took 5x longer on a 1440x1080 normal picture (770 ms against
+# 150 ms on one core) for a 20% smaller file; the pixels are the same at any level (PNG is lossless).
+PNG_COMPRESS_LEVEL = 1
 # Write errors that the next file will hit too: the caller stops or narrows the run rather than fail file by file.
 REPEATING_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 FOLDER_WRITE_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM}  # may concern one folder (or file) only
@@ -127,7 +130,7 @@ def write_value(file: Path, value, suffix: str):
     elif suffix == ".jpg":
         value.save(file, format="JPEG", quality=90)
     else:
-        value.save(file, format="PNG")
+        value.save(file, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
 
 
 def json_text(value, indent: int | None = None) -> str:

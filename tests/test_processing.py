@@ -739,3 +739,32 @@ def test_gpu_pipeline_matches_cpu_and_stays_on_device():
     assert keypoints.is_cuda
     located = pose["scores"] > 0
     assert_close(keypoints.cpu()[located], pose["keypoints"][located], KEYPOINT_TOL, "cuda keypoints")
+
+
+def test_class_ids_are_argmax():
+    """processing.class_ids (max(0).indices, the cheaper reduction) gives torch.argmax(0)'s class map: the first
+    maximum on exact ties, the first NaN where there is one; on CPU (and CUDA when there is one)."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(29, 37, 29, generator=g)
+    scores[5] = scores[2]  # exact ties everywhere between channels 2 and 5
+    scores[7, :3] = scores[9, :3] = scores[2, :3].abs() + 10  # a tie for the maximum itself: channel 7
+    scores[:, 25:30] = 0.0  # every channel equal: channel 0
+    scores[11, 33:] = float("nan")  # NaN beats every number; the first NaN channel wins
+    scores[20, 33:] = float("nan")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        on = scores.to(device)
+        assert torch.equal(P.class_ids(on), on.argmax(0))
+    ids = P.class_ids(scores)
+    assert (ids[:3] == 7).all() and (ids[25:30] == 0).all() and (ids[33:] == 11).all()
+
+
+def test_half_blend_is_the_float_formula_for_every_pair_of_values():
+    """The seg overlay at opacity 0.5 in integers: every (image, colour) pair of 8-bit values gives what
+    round(0.5 a + 0.5 b) gives in float32 (halves to even)."""
+    from sapiens2_app.pictures import half_blend
+
+    a, b = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
+    a, b = a.to(torch.uint8), b.to(torch.uint8)
+    want = (0.5 * a.float() + 0.5 * b.float()).round().to(torch.uint8)
+    assert torch.equal(half_blend(a, b), want)

@@ -1,0 +1,252 @@
+"""predict.py's pipeline alone: everything but the model, per task and photo size, the serial runner against the
+pipelined one, side by side in one run.
+
+    python bench/pipeline.py                                   # the CPU table (bench/results/pipeline-cpu<N>t.json)
+    python bench/pipeline.py --tasks seg --photos 1080x1440 --images 8 --workers 0,2
+    python bench/pipeline.py --report bench/results/pipeline-cpu2t.json        # the table again, from the JSON
+
+Each row runs predict.main on synthetic photos (smooth random JPEGs) with the models replaced:
+  free       the model costs nothing: each forward returns a cached output of the right shape (1024x768 input);
+             images/s, and CPU ms per image per stage (thread CPU time, summed over the threads that ran it)
+  stand-in   each forward holds the batch for T ms without using the CPU (time.sleep), as a GPU would, with T per
+             image = the CPU time per image that the serial runner's free row measured (the balanced case, where
+             a serial loop gets 1/2 of the ideal); images/s against the ideal 1 / max(T, CPU per image)
+`--workers 0` is the serial runner (decode, model, render, write, one image after the other); `--workers N` the
+pipelined one (predict.py --workers). The files are the same either way (tests/test_pipeline.py).
+
+Stages: decode (processing.load_image), preprocess (resizing, normalizing, crops), model, postprocess (back to the
+photo: resize, argmax, heatmap decoding), render (pictures and arrays), encode+write (PNG/JPEG/npy encoding and
+the atomic write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import heads  # noqa: E402
+import predict  # noqa: E402
+import processing  # noqa: E402
+from sapiens2 import Sapiens2Config  # noqa: E402
+from sapiens2_app import inference, models, outputs, safe_io  # noqa: E402
+from sapiens2_app.runtime_info import versions  # noqa: E402
+
+MODEL_SIZE = (1024, 768)
+TASK_SETS = ("seg", "normal", "pose", "seg,normal,pose")
+PHOTOS = ("1080x1440", "1920x1080")  # width x height
+TINY = dict(embed_dim=32, depth=1, num_heads=2, full_attention_first=1, full_attention_last=1, image_size=MODEL_SIZE)
+TINY_HEAD = ([16, 8, 8, 8], [8])  # only their outputs' shapes matter: the heads never run in a timed row
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stand-in models
+# ----------------------------------------------------------------------------------------------------
+class CachedModel(torch.nn.Module):
+    """A task model whose forward returns one cached output (expanded to the batch) after holding the batch for
+    `hold_ms` per image without the CPU; everything else (head config, backbone config, flip pairs) is the real
+    model's."""
+
+    def __init__(self, real: heads.Sapiens2ForTask, hold_ms: float = 0.0):
+        super().__init__()
+        self.real, self.hold_ms = real, hold_ms
+        self.task, self.head_config, self.backbone = real.task, real.head_config, real.backbone
+        with torch.no_grad():
+            self.cached = real(torch.zeros(1, 3, *MODEL_SIZE))
+
+    def forward(self, pixel_values: torch.Tensor):
+        time.sleep(self.hold_ms * len(pixel_values) / 1000)
+        fields = {name: value.expand(len(pixel_values), *value.shape[1:]) if torch.is_tensor(value) else value
+                  for name, value in vars(self.cached).items()}
+        return type(self.cached)(**fields)
+
+    def flip_test(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self(pixel_values).heatmaps  # the model's cost is the stand-in's; the mean of two is not timed
+
+    def flip_pairs(self, device=None):
+        return self.real.flip_pairs(device)
+
+
+def real_models(tasks: list[str]) -> dict[str, heads.Sapiens2ForTask]:
+    torch.manual_seed(0)
+    config = Sapiens2Config(**TINY)
+    built = {}
+    for task in tasks:
+        head = heads.HeadConfig(task, TINY_HEAD[0][:2] if task == "pose" else TINY_HEAD[0], TINY_HEAD[1],
+                                heads.OUT_CHANNELS[task])
+        built[task] = heads.build_task_model(config, head).eval()
+    return built
+
+
+@contextlib.contextmanager
+def stand_in_models(built: dict, hold_ms: float):
+    """predict.py's model loading returns the cached models (the rest of predict.py runs as it is)."""
+    real = models.load_models
+    cached = {task: models.LoadedModel(CachedModel(model, hold_ms), f"stand-in {task}") for task, model in built.items()}
+    models.load_models = lambda choice, tasks, *args, **kwargs: {task: cached[task] for task in tasks}
+    try:
+        yield
+    finally:
+        models.load_models = real
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stage timing: thread CPU time inside the functions each stage calls
+# ----------------------------------------------------------------------------------------------------
+class StageClock:
+    def __init__(self):
+        self.cpu, self.lock = {}, threading.Lock()
+
+    def add(self, stage: str, seconds: float):
+        with self.lock:
+            self.cpu[stage] = self.cpu.get(stage, 0.0) + seconds
+
+    def timed(self, stage: str, function):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.add(stage, time.thread_time() - start)
+        return wrapper
+
+
+@contextlib.contextmanager
+def clocked(clock: StageClock):
+    """Wrap the functions of each stage where the pipeline looks them up (module attributes)."""
+    patches = [(processing, "load_image", "decode"), (inference.Inference, "prepare", "preprocess"),
+               (processing, "preprocess_crops", "preprocess"), (inference.Inference, "forward", "model"),
+               (safe_io, "write_value", "encode+write")]
+    patches += [(processing, name, "postprocess") for name in dir(processing) if name.startswith("postprocess_")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    real_render = outputs.render
+
+    def render(*args, **kwargs):
+        return {suffix: clock.timed("render", make) for suffix, make in real_render(*args, **kwargs).items()}
+
+    try:
+        for owner, name, stage in patches:
+            setattr(owner, name, clock.timed(stage, getattr(owner, name)))
+        outputs.render = render
+        yield
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+        outputs.render = real_render
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rows
+# ----------------------------------------------------------------------------------------------------
+def write_photos(folder: Path, photo: str, count: int) -> list[Path]:
+    """Smooth random photos (JPEG, quality 90): costs like a real photo's to decode and to encode."""
+    width, height = (int(v) for v in photo.split("x"))
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(count):
+        small = rng.integers(0, 256, size=(height // 32 + 1, width // 32 + 1, 3), dtype=np.uint8)
+        image = Image.fromarray(small).resize((width, height), Image.BICUBIC)
+        paths.append(folder / f"photo{i:03d}.jpg")
+        image.save(paths[-1], quality=90)
+    return paths
+
+
+def run_row(tasks: str, photos: Path, out: Path, workers: int, built: dict, hold_ms: float, batch: int,
+            device: str) -> dict:
+    clock = StageClock()
+    argv = [tasks, str(photos), "-o", str(out), "--batch-size", str(batch), "--workers", str(workers),
+            "--device", device, "--no-flip", "--detector", "none"]
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    with stand_in_models(built, hold_ms), clocked(clock), contextlib.redirect_stderr(open(os.devnull, "w")):
+        status = predict.main(argv)
+    wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+    if status != 0:
+        raise RuntimeError(f"predict.py {' '.join(argv)} exited {status}")
+    manifest = json.loads((out / "run.json").read_text())
+    images = manifest["counts"]["written"]
+    return {"images": images, "images_per_s": manifest["images_per_s"], "wall_s": round(wall, 3),
+            "cpu_ms_per_image": round(1000 * cpu / images, 1),
+            "stage_cpu_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.cpu.items())}}
+
+
+def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, device: str) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sapiens2-pipeline-") as tmp:
+        tmp = Path(tmp)
+        for photo in photos:
+            folder = tmp / f"photos-{photo}"
+            write_photos(folder, photo, images)
+            for tasks in tasks_sets:
+                built = real_models(tasks.split(","))
+                free = {w: run_row(tasks, folder, tmp / f"out-free-{w}", w, built, 0.0, batch, device) for w in workers}
+                serial = free[min(workers)]
+                hold = serial["cpu_ms_per_image"]  # the balanced case: the model as slow as the CPU work
+                held = {w: run_row(tasks, folder, tmp / f"out-held-{w}", w, built, hold, batch, device) for w in workers}
+                for w in workers:
+                    ideal = 1000 / max(hold, held[w]["cpu_ms_per_image"])
+                    rows.append({"tasks": tasks, "photo": photo, "workers": w, "batch": batch,
+                                 "free": free[w], "stand_in": {**held[w], "hold_ms_per_image": hold,
+                                                               "ideal_images_per_s": round(ideal, 3),
+                                                               "of_ideal": round(held[w]["images_per_s"] / ideal, 3)},
+                                 "speedup_free_vs_serial": round(free[w]["images_per_s"] / serial["images_per_s"], 3)})
+                    print(table_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = ("| tasks | photo | workers | free img/s | vs serial | CPU ms/img | decode | pre | post | render | encode+write "
+          "| stand-in img/s | of ideal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(row: dict) -> str:
+    stages = row["free"]["stage_cpu_ms_per_image"]
+    cells = [row["tasks"], row["photo"], row["workers"], row["free"]["images_per_s"], row["speedup_free_vs_serial"],
+             row["free"]["cpu_ms_per_image"], *(stages.get(s, 0) for s in ("decode", "preprocess", "postprocess",
+                                                                          "render", "encode+write")),
+             row["stand_in"]["images_per_s"], row["stand_in"]["of_ideal"]]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASK_SETS))
+    parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photo sizes, WIDTHxHEIGHT")
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--workers", default=f"0,{os.cpu_count() or 2}", help="comma list; 0 = the serial runner")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--report", type=Path, help="print the table of a results file and exit")
+    args = parser.parse_args(argv)
+    if args.report:
+        print(HEADER)
+        for row in json.loads(args.report.read_text())["rows"]:
+            print(table_row(row))
+        return 0
+    torch.set_num_threads(torch.get_num_threads())
+    print(HEADER)
+    rows = bench(args.tasks, args.photos, args.images, [int(w) for w in args.workers.split(",")], args.batch_size,
+                 args.device)
+    result = {"bench": "pipeline", "device": args.device, "cpu_count": os.cpu_count(),
+              "torch_threads": torch.get_num_threads(), "versions": versions(), "rows": rows}
+    out = args.out or ROOT / "bench" / "results" / f"pipeline-{args.device}{os.cpu_count()}t.json"
+    safe_io.atomic_write(out, safe_io.json_text(result, indent=2))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
