@@ -1,5 +1,5 @@
 """A run's files: per input and task, the files ARTEFACTS names, made from the task's result (render) and written
-all or nothing per task (write_task), atomically (safe_io); what --skip-existing checks (all_written).
+all or nothing per task (write_files), atomically (safe_io); what --skip-existing checks (all_written).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sapiens2_app.cli import UsageError
 from sapiens2_app.inference import TaskFailed
 from sapiens2_app.inputs import InputImage
 from sapiens2_app.models import LoadedModel, features_model, keypoint_names
-from sapiens2_app.safe_io import REPEATING_WRITE_ERRORS, atomic_write, check_writable, os_error_text
+from sapiens2_app.safe_io import REPEATING_WRITE_ERRORS, atomic_write, check_writable, encode, os_error_text
 
 
 @dataclass
@@ -53,14 +53,37 @@ class Outputs:
         return bool(expected) and all(path.exists() for path in expected)
 
     def write(self, item: InputImage, image: torch.Tensor, result: dict) -> tuple[dict, list[tuple[str, Exception]]]:
-        """Write every task's files; return (what went in them by suffix: videos encode the pictures, the (task,
-        error) of the tasks that failed). A write error that will repeat (disk full, read-only, no permission) is
-        raised, for the run to decide what to stop."""
-        values, failures = {}, []
+        """Make and write every task's files: commit(make(...))."""
+        return self.commit(item, result, self.make(item, image, result))
+
+    def make(self, item: InputImage, image: torch.Tensor, result: dict) -> dict:
+        """Every task's files, made but not written: {task: {suffix: (what goes in the file, its bytes)}}, or the
+        task's error (its inference failed, or making a file did). No I/O: threads make images side by side."""
+        made = {}
         for task in self.tasks:
             try:
                 inference_error(task, result)
-                values.update(self.write_task(task, item, image, result))
+                makers = render(task, item, image, result, self.models[task])
+                made[task] = {}
+                for suffix, kinds in ARTEFACTS[task].items():
+                    if kinds & self.kinds:
+                        value = makers[suffix]()
+                        made[task][suffix] = (value, encode(value, suffix))
+            except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
+                made[task] = error
+        return made
+
+    def commit(self, item: InputImage, result: dict, made: dict) -> tuple[dict, list[tuple[str, Exception]]]:
+        """Write what make() made; return (what went in the files by suffix: videos encode the pictures, the (task,
+        error) of the tasks that failed). A write error that will repeat (disk full, read-only, no permission) is
+        raised, for the run to decide what to stop."""
+        values, failures = {}, []
+        for task, files in made.items():
+            try:
+                if isinstance(files, Exception):
+                    raise files
+                self.write_files(item, files)
+                values.update({suffix: value for suffix, (value, _) in files.items()})
             except Exception as error:  # noqa: BLE001 (one task's failure keeps the image's other tasks)
                 if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
                     raise
@@ -70,18 +93,14 @@ class Outputs:
             self.coco.add(self.names[item], item.relative, result["pose"]["people"])
         return values, failures
 
-    def write_task(self, task: str, item: InputImage, image: torch.Tensor, result: dict) -> dict:
-        """A task's files, all or nothing: a failure (or Ctrl-C) removes the ones written, and an older version of
-        the file being written, which would not belong with the new ones. Returns what went in them by suffix."""
-        written, values = [], {}
+    def write_files(self, item: InputImage, files: dict):
+        """One task's files, all or nothing: a failure (or Ctrl-C) removes the ones written, and an older version of
+        the file being written, which would not belong with the new ones."""
+        written = []
         try:
-            makers = render(task, item, image, result, self.models[task])
-            for suffix, kinds in ARTEFACTS[task].items():
-                if kinds & self.kinds:
-                    written.append(self.path(item, suffix))  # before: a signal may land after the rename
-                    values[suffix] = makers[suffix]()
-                    atomic_write(written[-1], values[suffix])
-            return values
+            for suffix, (_, data) in files.items():
+                written.append(self.path(item, suffix))  # before: a signal may land after the rename
+                atomic_write(written[-1], data)
         except BaseException:
             for path in written:
                 with contextlib.suppress(OSError):  # the write error is what to report, not this
