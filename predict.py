@@ -267,9 +267,10 @@ def run(args, argv: list[str]) -> int:
     record_unreadable(pipeline, manifest, unreadable)
     stopped = None
     try:
-        pipeline.process_all(todo)
-        for clip in clips:
-            manifest.setdefault("videos", {})[clip.relative] = video.process_video(pipeline, clip, settings)
+        with pipeline.running():
+            pipeline.process_all(todo)
+            for clip in clips:
+                manifest.setdefault("videos", {})[clip.relative] = video.process_video(pipeline, clip, settings)
     except StopRun as stop:
         stopped = str(stop)
     finally:

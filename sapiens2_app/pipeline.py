@@ -3,14 +3,27 @@ when something fails. One image's failure (unreadable, a task that fails on it, 
 and skipped; a write error that every later image would hit too (disk full, OUT read-only) stops the run cleanly
 (StopRun); an output folder found unwritable fails the images bound for it without computing them.
 
-    run = Run(inference, outputs, progress)
-    run.process_all(todo)                          # images; videos call run.infer / run.write frame batch by batch
+    run = Run(inference, outputs, progress, workers=4)
+    with run.running():                            # the threads of the pipelined runner (none when workers == 0)
+        run.process_all(todo)                      # images; videos call run.infer / run.write frame batch by batch
+
+With workers > 0 the stages overlap (stages.py): the next images are decoded while the model runs, their files are
+made (rendered, encoded) by `workers` threads while the model runs on the next batch, and one thread writes them in
+the order of the inputs and reports each outcome, so that the files, run.json and the overlay videos are those of
+workers == 0, where everything happens in this thread, one image after the other. An output folder is written to
+once before more images bound for it are computed, so that an unwritable one is found as early as one at a time
+would find it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,6 +34,10 @@ from sapiens2_app.inputs import InputImage
 from sapiens2_app.outputs import Outputs
 from sapiens2_app.reporting import Progress
 from sapiens2_app.safe_io import FOLDER_WRITE_ERRORS, os_error_text, probe_error
+from sapiens2_app.stages import Ahead, InOrder
+
+DECODE_AHEAD = 2  # batches decoded ahead of the model
+WRITES_WAITING = 4  # images per worker whose files may wait to be written (bounds the memory they hold)
 
 
 class StopRun(Exception):
@@ -38,32 +55,94 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     outcomes: dict[InputImage, str] = field(default_factory=dict)  # "written" or "failed"
     blocked: dict[Path, str] = field(default_factory=dict)  # output folders found unwritable -> why
-    workers: int = 0  # render/encode threads beside the model (0: one image after the other, in this thread)
+    workers: int = 0  # threads that make the files beside the model (0: one image after the other, in this thread)
+    makers: ThreadPoolExecutor | None = field(default=None, repr=False)
+    writer: InOrder | None = field(default=None, repr=False)
+    written_folders: set[Path] = field(default_factory=set, repr=False)  # output folders that took an image's files
+    in_flight: Counter = field(default_factory=Counter, repr=False)  # output folder -> images waiting to be written
+    changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     @property
     def done(self) -> int:
         return sum(outcome == "written" for outcome in self.outcomes.values())
 
-    def warn(self, message: str):
-        self.warnings.append(message)
-        self.progress.note(f"warning: {message}")
+    # ----- the threads ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def running(self):
+        """The pipelined runner's threads for the duration of the block: on leaving, everything waiting is written
+        (and a StopRun raised by it raised here), or, when the block raises (Ctrl-C, StopRun), dropped."""
+        if self.workers == 0:
+            yield self
+            return
+        self.makers = ThreadPoolExecutor(self.workers, thread_name_prefix="sapiens2-make")
+        self.writer = InOrder(WRITES_WAITING * self.workers)
+        try:
+            yield self
+            self.writer.drain()
+        except BaseException:
+            self.writer.drop()
+            raise
+        finally:
+            self.writer.close()
+            self.makers.shutdown(wait=True, cancel_futures=True)
+            self.makers = self.writer = None
 
+    def later(self, call: Callable[[], None]):
+        """Run `call` after what was given before it: now when one thread does everything, else in the writer's."""
+        if self.writer is None:
+            call()
+        else:
+            self.writer.submit(call)
+
+    def drain(self):
+        """Wait until everything given to later() has run; raise what stopped it (StopRun)."""
+        if self.writer is not None:
+            self.writer.drain()
+
+    def abandon(self):
+        """Drop what waits to be written (the image being written is finished)."""
+        if self.writer is not None:
+            self.writer.drop()
+
+    # ----- images -----------------------------------------------------------------------------------------------
     def process_all(self, todo: list[InputImage]):
         """Every image, a batch at a time. Images whose output folder turned out unwritable fail without being
         computed; a StopRun ends the loop (the caller finalises the manifest)."""
         size = self.inference.batch_size
-        for i in range(0, len(todo), size):
-            batch = [item for item in todo[i : i + size] if not self.skip_blocked(item)]
-            for item, image, result in self.infer(self.load_batch(batch)):
-                self.write(item, image, result)
+        batches = [todo[i : i + size] for i in range(0, len(todo), size)]
+        decoded = Ahead(self.decode, batches, DECODE_AHEAD) if self.workers else map(self.decode, batches)
+        try:
+            for batch in decoded:
+                for item, image, result in self.infer(self.readable(batch)):
+                    self.write(item, image, result)
+        finally:
+            if isinstance(decoded, Ahead):
+                decoded.close()
 
-    def load_batch(self, batch: list[InputImage]) -> list[tuple[InputImage, torch.Tensor]]:
-        pairs = []
+    def decode(self, batch: list[InputImage]) -> list[tuple[InputImage, torch.Tensor | Exception]]:
+        """Each image read (or why it cannot be), pinned for a copy to the GPU that does not wait for the CPU."""
+        pinned = self.inference.device.type == "cuda"
+        decoded = []
         for item in batch:
             try:
-                pairs.append((item, processing.load_image(item.path)))
-            except Exception as error:  # noqa: BLE001
-                self.fail(item, [(None, error)])
+                image = processing.load_image(item.path)
+                decoded.append((item, image.pin_memory() if pinned else image))
+            except Exception as error:  # noqa: BLE001 (reported in order by readable)
+                decoded.append((item, error))
+        return decoded
+
+    def readable(self, decoded: list[tuple[InputImage, torch.Tensor | Exception]]) -> list[tuple[InputImage, torch.Tensor]]:
+        """The images of a batch to compute: not those bound for a folder found unwritable (reported), nor those
+        that could not be read (reported). Waits first for the writes that decide whether their folders are."""
+        self.wait_for_first_writes([item for item, _ in decoded])
+        pairs = []
+        for item, image in decoded:
+            if (why := self.blocked_reason(item)) is not None:
+                self.fail(item, [(None, why)])
+            elif isinstance(image, Exception):
+                self.fail(item, [(None, image)])
+            else:
+                pairs.append((item, image))
         return pairs
 
     def infer(self, pairs: list[tuple[InputImage, torch.Tensor]]) -> list[tuple[InputImage, torch.Tensor, dict]]:
@@ -84,24 +163,66 @@ class Run:
                 self.warn(message)
         return [(item, image, result) for (item, image), result in zip(pairs, results)]
 
-    def write(self, item: InputImage, image: torch.Tensor, result: dict) -> tuple[dict, bool]:
-        """Write an image's files: (what went in them by suffix, whether all of its tasks were written). A write
-        error that will repeat stops the run (StopRun) or blocks the image's output folder."""
-        if self.skip_blocked(item):  # its folder failed for an earlier image of this batch
+    def write(self, item: InputImage, image: torch.Tensor, result: dict, then: Callable | None = None):
+        """Make and write an image's files (later(), in order), then `then(what went in them by suffix, whether all
+        of its tasks were written)`. A write error that will repeat stops the run (StopRun) or blocks the image's
+        output folder."""
+        if self.makers is None:  # one thread: make and write now
+            written, complete = self.commit(item, result, self.outputs.make(item, image, result))
+            if then is not None:
+                then(written, complete)
+            return
+        made = self.makers.submit(self.outputs.make, item, image, result)
+        folder = self.outputs.stem(item).parent
+        with self.changed:
+            self.in_flight[folder] += 1
+
+        def commit():
+            try:
+                written, complete = self.commit(item, result, made.result())
+            finally:
+                with self.changed:
+                    self.in_flight[folder] -= 1
+                    self.changed.notify_all()
+            if then is not None:
+                then(written, complete)
+
+        self.later(commit)
+
+    def commit(self, item: InputImage, result: dict, made: dict) -> tuple[dict, bool]:
+        """Write what Outputs.make made (where later() runs) and report the outcome."""
+        if (why := self.blocked_reason(item)) is not None:  # its folder failed for an earlier image
+            self.report(item, [(None, why)])
             return {}, False
         try:
-            written, failures = self.outputs.write(item, image, result)
+            written, failures = self.outputs.commit(item, result, made)
         except OSError as error:
-            self.fail(item, [(None, error)])
+            self.report(item, [(None, error)])
             self.stop_or_block(item, error)
             return {}, False
+        with self.changed:
+            self.written_folders.add(self.outputs.stem(item).parent)
         if failures:
-            self.fail(item, failures)
+            self.report(item, failures)
             return written, False
         self.outcomes[item] = "written"
         self.progress.advance()
         return written, True
 
+    def wait_for_first_writes(self, items: list[InputImage]):
+        """Until each item's output folder has taken files once (or has none waiting): a folder found unwritable is
+        then known before the images bound for it are computed, as when one image goes after the other."""
+        def unknown(item):
+            folder = self.outputs.stem(item).parent
+            return folder not in self.written_folders and self.in_flight[folder] > 0
+
+        with self.changed:
+            while any(unknown(item) for item in items):
+                if self.writer is not None:
+                    self.writer.raise_error()
+                self.changed.wait(timeout=0.1)
+
+    # ----- failures -----------------------------------------------------------------------------------------------
     def stop_or_block(self, item: InputImage, error: OSError):
         """After a repeating write error: stop the run when OUT itself cannot take more (disk full, OUT read-only).
         A permission error may be narrower: the image's output folder alone (later images bound there then fail
@@ -113,26 +234,38 @@ class Run:
                 return
             out_error = probe_error(self.outputs.out)
             if out_error is None:
-                self.blocked[folder] = os_error_text(error)
+                with self.changed:
+                    self.blocked[folder] = os_error_text(error)
                 return
             reason = f"{os_error_text(out_error)} (OUT itself; after {reason})"
         raise StopRun(reason)
 
-    def skip_blocked(self, item: InputImage) -> bool:
+    def blocked_reason(self, item: InputImage) -> PermissionError | None:
+        """Why the item's output folder cannot take its files (found unwritable for an earlier image), or None."""
         folder = self.outputs.stem(item).parent
-        reason = next((why for blocked, why in self.blocked.items() if folder.is_relative_to(blocked)), None)
-        if reason is not None:
-            self.fail(item, [(None, PermissionError(f"skipped: its output folder is not writable ({reason})"))])
-        return reason is not None
+        with self.changed:
+            reason = next((why for blocked, why in self.blocked.items() if folder.is_relative_to(blocked)), None)
+        return None if reason is None else PermissionError(f"skipped: its output folder is not writable ({reason})")
 
     def fail(self, item: InputImage, failures: list[tuple[str | None, Exception]]):
-        """Report an image's failures (task None: the whole image) on stderr and in the manifest."""
+        """Report an image's failures (task None: the whole image), in order with the images written before it."""
+        self.later(lambda: self.report(item, failures))
+
+    def warn(self, message: str):
+        self.later(lambda: self.record_warning(message))
+
+    def report(self, item: InputImage, failures: list[tuple[str | None, Exception]]):
+        """An image's failures on stderr and in the manifest (where later() runs)."""
         for task, error in failures:
             entry, line = failure_report(item, task, error)
             self.errors.append(entry)
             self.progress.note(line)
         self.outcomes[item] = "failed"
         self.progress.advance(failed=True)
+
+    def record_warning(self, message: str):
+        self.warnings.append(message)
+        self.progress.note(f"warning: {message}")
 
 
 def failure_report(item: InputImage, task: str | None, error: Exception) -> tuple[dict, str]:

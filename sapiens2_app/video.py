@@ -255,7 +255,6 @@ class VideoRun:
                     if self.settings.skip_existing and self.outputs.all_written(item):
                         self.flush(pending)
                         if self.resume(item):
-                            self.forget([item])
                             continue
                     pending.append((item, image))
                     if len(pending) == self.pipeline.inference.batch_size:
@@ -263,7 +262,14 @@ class VideoRun:
             except av.FFmpegError as error:
                 damaged = error
             self.flush(pending)
+            self.pipeline.drain()  # every frame's files and overlay frames written
             completed = True
+        except KeyboardInterrupt:
+            self.pipeline.abandon()  # what waits is dropped: the overlays are closed next, not written to
+            raise
+        except Exception:
+            self.pipeline.drain()  # the frames computed before the error are written (a StopRun from that wins)
+            raise
         finally:
             self.progress.total += self.sent - expected
             overlays = self.overlays.close(keep=completed)
@@ -280,9 +286,11 @@ class VideoRun:
     def flush(self, pending: list):
         if pending:
             self.sent += len(pending)
-            for item, image, result in self.pipeline.infer(list(pending)):
+            done = self.pipeline.infer(list(pending))
+            for item, image, result in done:
                 self.write(item, image, result)
-            self.forget([item for item, _ in pending])
+            computed = {item for item, _, _ in done}
+            self.pipeline.later(lambda frames=[item for item, _ in pending if item not in computed]: self.forget(frames))
             pending.clear()
 
     def forget(self, items: list):
@@ -293,16 +301,21 @@ class VideoRun:
 
     def write(self, item: InputImage, image: torch.Tensor, result: dict):
         """The frame's files (people tracked first: ids, and smoothing, go into pose.json), then its pictures into
-        the overlay videos (the source frame where a task failed, so they keep one frame per processed frame)."""
+        the overlay videos, in frame order (the source frame where a task failed, so they keep one frame per
+        processed frame)."""
         if self.tracker is not None and isinstance(result.get("pose"), dict):  # not a failed pose
             self.tracker.update(self.index[item], result["pose"]["people"])
-        written, complete = self.pipeline.write(item, image, result)
-        if written or complete:
-            self.overlays.add(written, image)
-        else:  # nothing written (a write error): the frame keeps its place; a full disk may fail this too
-            with contextlib.suppress(Exception):
-                self.overlays.add({}, image)
-        self.written += complete  # as run.json's counts: a frame with a failed task is a failed frame
+
+        def into_overlays(written: dict, complete: bool):
+            if written or complete:
+                self.overlays.add(written, image)
+            else:  # nothing written (a write error): the frame keeps its place; a full disk may fail this too
+                with contextlib.suppress(Exception):
+                    self.overlays.add({}, image)
+            self.written += complete  # as run.json's counts: a frame with a failed task is a failed frame
+            self.forget([item])
+
+        self.pipeline.write(item, image, result, then=into_overlays)
 
     def resume(self, item) -> bool:
         """A frame an earlier run wrote: its people and pictures read back, so tracks, overlay videos and the
@@ -313,12 +326,13 @@ class VideoRun:
             try:
                 image, people = formats.read_pose_json(pose)
             except ValueError as error:
-                self.progress.note(f"warning: {error}; running frame {self.index[item]} of {self.clip.path} again")
+                message = f"warning: {error}; running frame {self.index[item]} of {self.clip.path} again"
+                self.pipeline.later(lambda: self.progress.note(message))
                 return False
             if self.tracker is not None:
                 self.tracker.restore(self.index[item], people)
-            if self.outputs.coco is not None:
-                self.outputs.coco.add(self.outputs.names[item], image, people)
+        else:
+            image = people = None
         self.skipped += 1
         pictures = {}
         for suffix in self.settings.picture_suffixes:
@@ -326,7 +340,14 @@ class VideoRun:
             if path.exists():
                 with Image.open(path) as picture:
                     pictures[suffix] = picture.convert("RGB")
-        self.overlays.add(pictures)
+
+        def carry_on():  # in order with the frames before it (written where later() runs)
+            if self.outputs.coco is not None and people is not None:
+                self.outputs.coco.add(self.outputs.names[item], image, people)
+            self.overlays.add(pictures)
+            self.forget([item])
+
+        self.pipeline.later(carry_on)
         return True
 
     def tracks_json(self) -> dict:
