@@ -431,7 +431,8 @@ def preprocess(images, size: tuple[int, int] = MODEL_SIZE, pad: bool = False, re
     INTER_CUBIC; padded tasks: INTER_LINEAR) or "hf" (transformers': antialiased bilinear).
     """
     _check_model_size(size)
-    images = [image.to(device) if device is not None else image for image in load_images(images)]
+    # non_blocking: from pinned memory (predict.py pins decoded images for a GPU) the copy does not wait for the CPU
+    images = [image.to(device, non_blocking=True) if device is not None else image for image in load_images(images)]
     resized, content_boxes = [None] * len(images), [None] * len(images)
     for indices in _group_by_shape(images):  # one resize call per distinct input shape, as HF does
         batch = torch.stack([images[i] for i in indices])
@@ -561,7 +562,7 @@ def preprocess_crops(images, boxes, size: tuple[int, int] = MODEL_SIZE, padding:
         raise ValueError(f"got {len(images)} images but boxes for {len(boxes)}")
     crops, sizes, image_indices, all_boxes = [], [], [], []
     for index, (image, image_boxes) in enumerate(zip(images, boxes)):
-        image = image.to(device) if device is not None else image
+        image = image.to(device, non_blocking=True) if device is not None else image
         image_boxes = torch.as_tensor(image_boxes, dtype=torch.float32, device=image.device).reshape(-1, 4)
         crops.append(crop_people(image, image_boxes, size, padding, resample))
         all_boxes.append(image_boxes)
