@@ -4,6 +4,7 @@ pipelined one, side by side in one run.
     python bench/pipeline.py                                   # the CPU table (bench/results/pipeline-cpu<N>t.json)
     python bench/pipeline.py --tasks seg --photos 1080x1440 --images 8 --workers 0,2
     python bench/pipeline.py --report bench/results/pipeline-cpu2t.json        # the table again, from the JSON
+    python bench/pipeline.py --device cuda --real 0.4b --tasks seg            # on a GPU: real-size models too
 
 Each row runs predict.main on synthetic photos (smooth random JPEGs) with the models replaced:
   free       the model costs nothing: each forward returns a cached output of the right shape (1024x768 input);
@@ -11,6 +12,9 @@ Each row runs predict.main on synthetic photos (smooth random JPEGs) with the mo
   stand-in   each forward holds the batch for T ms without using the CPU (time.sleep), as a GPU would, with T per
              image = the CPU time per image that the serial runner's free row measured (the balanced case, where
              a serial loop gets 1/2 of the ideal); images/s against the ideal 1 / max(T, CPU per image)
+  real       (--real SIZE) predict.py with real-size models (random weights: speed does not depend on them) against
+             the model alone on the same batches (forward only, as bench/e2e.py times it): images/s of each, the
+             ratio, and where the time goes (wall ms per image per stage)
 `--workers 0` is the serial runner (decode, model, render, write, one image after the other); `--workers N` the
 pipelined one (predict.py --workers). The files are the same either way (tests/test_pipeline.py).
 
@@ -107,20 +111,24 @@ def stand_in_models(built: dict, hold_ms: float):
 # Stage timing: thread CPU time inside the functions each stage calls
 # ----------------------------------------------------------------------------------------------------
 class StageClock:
-    def __init__(self):
-        self.cpu, self.lock = {}, threading.Lock()
+    """Per stage: the CPU time of the threads that ran it (thread_time: torch's own worker threads are not seen)
+    and the wall time spent in it (on a GPU, the model's wall time includes waiting for the GPU)."""
 
-    def add(self, stage: str, seconds: float):
+    def __init__(self):
+        self.cpu, self.wall, self.lock = {}, {}, threading.Lock()
+
+    def add(self, stage: str, cpu: float, wall: float):
         with self.lock:
-            self.cpu[stage] = self.cpu.get(stage, 0.0) + seconds
+            self.cpu[stage] = self.cpu.get(stage, 0.0) + cpu
+            self.wall[stage] = self.wall.get(stage, 0.0) + wall
 
     def timed(self, stage: str, function):
         def wrapper(*args, **kwargs):
-            start = time.thread_time()
+            cpu, wall = time.thread_time(), time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.add(stage, time.thread_time() - start)
+                self.add(stage, time.thread_time() - cpu, time.perf_counter() - wall)
         return wrapper
 
 
@@ -165,13 +173,15 @@ def write_photos(folder: Path, photo: str, count: int) -> list[Path]:
     return paths
 
 
-def run_row(tasks: str, photos: Path, out: Path, workers: int, built: dict, hold_ms: float, batch: int,
-            device: str) -> dict:
+def run_row(tasks: str, photos: Path, out: Path, workers: int, built: dict | None, hold_ms: float, batch: int,
+            device: str, extra: tuple = ()) -> dict:
+    """predict.py on the photos with the stand-in models (`built`; None: the models `extra` names)."""
     clock = StageClock()
     argv = [tasks, str(photos), "-o", str(out), "--batch-size", str(batch), "--workers", str(workers),
-            "--device", device, "--no-flip", "--detector", "none"]
+            "--device", device, "--no-flip", "--detector", "none", *extra]
+    models_in_use = stand_in_models(built, hold_ms) if built is not None else contextlib.nullcontext()
     cpu_start, wall_start = time.process_time(), time.perf_counter()
-    with stand_in_models(built, hold_ms), clocked(clock), contextlib.redirect_stderr(open(os.devnull, "w")):
+    with models_in_use, clocked(clock), contextlib.redirect_stderr(open(os.devnull, "w")):
         status = predict.main(argv)
     wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     if status != 0:
@@ -180,7 +190,8 @@ def run_row(tasks: str, photos: Path, out: Path, workers: int, built: dict, hold
     images = manifest["counts"]["written"]
     return {"images": images, "images_per_s": manifest["images_per_s"], "wall_s": round(wall, 3),
             "cpu_ms_per_image": round(1000 * cpu / images, 1),
-            "stage_cpu_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.cpu.items())}}
+            "stage_cpu_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.cpu.items())},
+            "stage_wall_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.wall.items())}}
 
 
 def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, device: str) -> list[dict]:
@@ -207,6 +218,56 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
     return rows
 
 
+def real_rows(tasks_sets, photos, images: int, workers: list[int], batch: int, device: str, size: str,
+              preset: str) -> list[dict]:
+    """predict.py with real-size random models against the model alone, on the same photos and batch size."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sapiens2-pipeline-real-") as tmp:
+        tmp = Path(tmp)
+        for photo in photos:
+            folder = tmp / f"photos-{photo}"
+            write_photos(folder, photo, images)
+            for tasks in tasks_sets:
+                extra = ("--random-init", "always", "--model", preset, *(("--size", size) if size else ()))
+                alone = {task: model_alone(task, preset, device, batch, size) for task in tasks.split(",")}
+                ideal = 1 / sum(1 / rate for rate in alone.values())  # the models one after the other
+                for w in workers:
+                    run_row(tasks, folder, tmp / f"warm-{w}", w, None, 0.0, batch, device, extra)  # compiles, caches
+                    row = run_row(tasks, folder, tmp / f"out-{w}", w, None, 0.0, batch, device, extra)
+                    rows.append({"tasks": tasks, "photo": photo, "workers": w, "batch": batch, "preset": preset,
+                                 "size": size or "model", "real": row, "model_alone_images_per_s": alone,
+                                 "of_model_alone": round(row["images_per_s"] / ideal, 3)})
+                    print(f"| {tasks} | {photo} | {w} | {row['images_per_s']} img/s | model alone "
+                          f"{round(ideal, 2)} img/s | {rows[-1]['of_model_alone']} |", flush=True)
+    return rows
+
+
+def model_alone(task: str, preset: str, device: str, batch: int, size: str | None, reps: int = 5) -> float:
+    """Images/s of the model's forward alone (random weights, the run's dtype), CUDA events on a GPU."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    height, width = (int(v) for v in size.split("x")) if size else MODEL_SIZE
+    overrides = {"image_size": (height, width)} if size else {}
+    model = heads.random_model(task, preset, **overrides).to(device, dtype).eval()
+    pixels = torch.randn(batch, 3, height, width, device=device, dtype=dtype)
+    with torch.no_grad():
+        model(pixels)  # warm-up: kernels, RoPE tables
+        times = []
+        for _ in range(reps):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(pixels)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            else:
+                began = time.perf_counter()
+                model(pixels)
+                times.append(time.perf_counter() - began)
+    return round(batch / sorted(times)[len(times) // 2], 3)
+
+
 HEADER = ("| tasks | photo | workers | free img/s | vs serial | CPU ms/img | decode | pre | post | render | encode+write "
           "| stand-in img/s | of ideal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -228,6 +289,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", default=f"0,{os.cpu_count() or 2}", help="comma list; 0 = the serial runner")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--real", metavar="SIZE", help="also predict.py with real-size random models of this preset "
+                        "(e.g. 0.4b) against the model alone")
+    parser.add_argument("--size", help="with --real: the model input HxW (default the model's, 1024x768)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--report", type=Path, help="print the table of a results file and exit")
     args = parser.parse_args(argv)
@@ -236,13 +300,16 @@ def main(argv=None) -> int:
         for row in json.loads(args.report.read_text())["rows"]:
             print(table_row(row))
         return 0
-    torch.set_num_threads(torch.get_num_threads())
     print(HEADER)
-    rows = bench(args.tasks, args.photos, args.images, [int(w) for w in args.workers.split(",")], args.batch_size,
-                 args.device)
-    result = {"bench": "pipeline", "device": args.device, "cpu_count": os.cpu_count(),
-              "torch_threads": torch.get_num_threads(), "versions": versions(), "rows": rows}
+    workers = [int(w) for w in args.workers.split(",")]
     out = args.out or ROOT / "bench" / "results" / f"pipeline-{args.device}{os.cpu_count()}t.json"
+    result = {"bench": "pipeline", "device": args.device, "cpu_count": os.cpu_count(),
+              "torch_threads": torch.get_num_threads(), "versions": versions(), "rows": []}
+    result["rows"] = bench(args.tasks, args.photos, args.images, workers, args.batch_size, args.device)
+    safe_io.atomic_write(out, safe_io.json_text(result, indent=2))  # saved before the slower real rows
+    if args.real:
+        result["real_rows"] = real_rows(args.tasks, args.photos, args.images, workers, args.batch_size, args.device,
+                                        args.size, args.real)
     safe_io.atomic_write(out, safe_io.json_text(result, indent=2))
     print(f"results: {out}")
     return 0

@@ -204,3 +204,31 @@ def test_outputs_decode_to_the_same_pixels_as_before(tmp_path):
     Image.fromarray(pixels).save(tmp_path / "default.png")
     assert np.array_equal(np.array(Image.open(tmp_path / "a.png")), np.array(Image.open(tmp_path / "default.png")))
     assert torch.equal(torch.from_numpy(np.array(Image.open(tmp_path / "a.png"))), torch.from_numpy(pixels))
+
+
+def test_bench_pipeline_runs_its_rows(tmp_path):
+    """bench/pipeline.py end to end on a tiny case: one row per runner, the stand-in's ideal from the serial row's
+    CPU time, the stage times, and the JSON."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_pipeline", ROOT / "bench" / "pipeline.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "pipeline.json"
+    with no_hang(300):
+        assert bench.main(["--tasks", "seg", "--photos", "48x64", "--images", "3", "--workers", "0,2",
+                           "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["tasks"], r["photo"], r["workers"]) for r in rows] == [("seg", "48x64", 0), ("seg", "48x64", 2)]
+    for row in rows:
+        assert row["free"]["images"] == 3 and row["free"]["images_per_s"] > 0
+        assert {"decode", "preprocess", "model", "postprocess", "render", "encode+write"} <= set(
+            row["free"]["stage_wall_ms_per_image"])
+        held = row["stand_in"]
+        assert held["hold_ms_per_image"] == rows[0]["free"]["cpu_ms_per_image"]
+        assert held["ideal_images_per_s"] == pytest.approx(1000 / max(held["hold_ms_per_image"],
+                                                                       held["cpu_ms_per_image"]), abs=1e-3)
+    assert result["device"] == "cpu" and "torch" in result["versions"]
