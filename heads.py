@@ -170,6 +170,12 @@ def upsample_layers_needed(task: str, patch_size: int) -> int | None:
 HEAD_WIDTH_STEP = 8  # default_head's widths are multiples of this, and at least this
 
 
+def nearest_size(sizes, embed_dim: int) -> str:
+    """Of these preset names, the one whose embed_dim is nearest to `embed_dim` (a tie: the narrower). What a
+    backbone without released weights of its own follows: its default head, and train.py's recipe."""
+    return min(sizes, key=lambda s: (abs(PRESETS[s].embed_dim - embed_dim), PRESETS[s].embed_dim))
+
+
 def default_head(task: str, config: Sapiens2Config, out_channels: int | None = None) -> HeadConfig:
     """The head to build when none is given, for any backbone: the released head of the size whose embed_dim is
     nearest to the backbone's (the backbone's own size when it has one; matting, released at 1b only, takes the
@@ -178,7 +184,7 @@ def default_head(task: str, config: Sapiens2Config, out_channels: int | None = N
     them, as the released heads do (seg's widths are the same from 0.4b to 5b). The upsampling layers are as
     many as upsample_layers_needed (extra ones repeat the last width)."""
     released = {**HEAD_TABLE["normal"], **HEAD_TABLE["matting"]} if task == "matting" else HEAD_TABLE[task]
-    size = min(released, key=lambda s: (abs(PRESETS[s].embed_dim - config.embed_dim), PRESETS[s].embed_dim))
+    size = nearest_size(released, config.embed_dim)
     factor = min(1.0, config.embed_dim / PRESETS[size].embed_dim)
     step = HEAD_WIDTH_STEP
     scaled = lambda widths: tuple(max(step, step * round(w * factor / step)) for w in widths)  # noqa: E731

@@ -36,7 +36,7 @@ import heads
 import processing
 from sapiens2 import PRESETS
 from sapiens2_app import datasets, distributed, optimization, starting_model, train_checkpoints
-from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, parse_size
+from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
 from sapiens2_app.metrics import Metric
@@ -45,17 +45,31 @@ from sapiens2_app.reporting import Progress
 from sapiens2_app.train_checkpoints import STATE_FILE, read_state, stored
 
 LOG_FILE = "log.jsonl"
+MAX_SEED = 2**32 - 1  # (the sampler and the augmentations derive their seeds from it in 64 bits)
 # Options that may differ on --resume (everything else comes from the run being resumed).
 RESUME_MAY_CHANGE = {"steps", "epochs", "stop_at", "save_every", "eval_every", "log_every", "workers", "resume",
                      "out", "data", "device", "progress", "batch_size", "accumulate"}  # same global batch: checked
+RECIPE_HELP = (
+    "the recipe: --lr, --layer-decay, --clip-grad, --precision, --warmup, --schedule and --weight-decay default\n"
+    "to the config of the released fine-tune of the task and backbone size (facebookresearch/sapiens2\n"
+    "sapiens/*/configs); other backbones follow the released size nearest in embed_dim, matting the normal\n"
+    'configs but at 1b. The run prints each value and where it came from; log.jsonl keeps them ("recipe").\n\n'
+    f"lr, layer decay, gradient-norm clip, precision:\n{optimization.recipe_table()}\n\n"
+    f"every config: AdamW (betas 0.9, 0.999), weight decay {optimization.WEIGHT_DECAY:g} (none on 1-D parameters, "
+    f"biases and pos_embed),\n{optimization.WARMUP_STEPS} warmup steps linear from "
+    f"{optimization.short_number(optimization.WARMUP_START_FACTOR)} x lr, then linear to 0 (a run of under "
+    f"{optimization.WARMUP_STEPS / optimization.SHORT_RUN_WARMUP:.0f} steps warms up\nfor "
+    f"{optimization.SHORT_RUN_WARMUP:.0%} of them); fp32 on a CPU. A new head starts as the original's: kaiming-normal "
+    "convolutions\n(fan_out, relu), zero biases.")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0],
+    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0], epilog=RECIPE_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    whole = lambda low: number_in(int, low)  # noqa: E731
     p.add_argument("task", choices=heads.TASKS)
     p.add_argument("--data", required=True, help="dataset folder with train/ and optionally val/")
     p.add_argument("-o", "--out", required=True, help="output folder (checkpoints, log.jsonl)")
@@ -63,21 +77,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "(seg-0.4b), a .safetensors file, a folder or a hub id. A checkpoint of the same task with the "
                    "data's output count continues its head; otherwise the head is new")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs)")
-    p.add_argument("--epochs", type=float, help="passes over train/ (default 10 when --steps is not given)")
-    p.add_argument("--stop-at", type=int, help="save and stop at this step without finishing the schedule "
+    p.add_argument("--steps", type=whole(1), help="optimizer steps (default: --epochs)")
+    p.add_argument("--epochs", type=number_in(float, 0, low_open=True),
+                   help="passes over train/ (default 10 when --steps is not given)")
+    p.add_argument("--stop-at", type=whole(1), help="save and stop at this step without finishing the schedule "
                    "(e.g. to fit a job's time limit; --resume goes on)")
-    p.add_argument("--batch-size", type=int, default=4, help="samples per process and micro-step (default 4)")
-    p.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step (default 1)")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the cosine (default 0)")
-    p.add_argument("--warmup", type=int, help="linear warmup steps (default 5%% of the steps, at most 500)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1; none on "
-                   "norms, biases and tokens)")
-    p.add_argument("--layer-decay", type=float, default=0.85, help="block i of L gets lr x decay^(L - i); the "
-                   "head gets lr (default 0.85; 1 = off)")
+    p.add_argument("--batch-size", type=whole(1), default=4, help="samples per process and micro-step (default 4)")
+    p.add_argument("--accumulate", type=whole(1), default=1, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--lr", type=number_in(float, 0, low_open=True), help="peak learning rate (default: the "
+                   "config's, below)")
+    p.add_argument("--min-lr", type=number_in(float, 0), default=0.0,
+                   help="learning rate at the last step (default 0, as the configs)")
+    p.add_argument("--warmup", type=whole(0), help="steps of linear warmup from "
+                   f"{optimization.short_number(optimization.WARMUP_START_FACTOR)}"
+                   f" x lr (default {optimization.WARMUP_STEPS}, at most {optimization.SHORT_RUN_WARMUP:.0%}% of the "
+                   "steps)")
+    p.add_argument("--schedule", choices=optimization.SCHEDULES, help="after the warmup, down to --min-lr: "
+                   "linearly (default, the configs') or along a cosine")
+    p.add_argument("--weight-decay", type=number_in(float, 0), help=f"AdamW weight decay (default "
+                   f"{optimization.WEIGHT_DECAY:g}; none on 1-D parameters, biases and pos_embed)")
+    p.add_argument("--layer-decay", type=number_in(float, 0, 1, low_open=True), help="layer-wise lr decay: block "
+                   "i of L learns at lr x decay^(L - i), the embeddings at lr x decay^(L + 1), the head at lr "
+                   "(default: the config's; 1 = off)")
     p.add_argument("--freeze-backbone", action="store_true", help="train the head only")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clipping (default 1; 0 = off)")
+    p.add_argument("--clip-grad", type=number_in(float, 0), help="gradient-norm clipping (default: the config's; "
+                   "0 = off)")
     p.add_argument("--size", type=parse_size, help="network input HxW (default: the model's, 1024x768)")
     p.add_argument("--head", type=parse_head, help="widths of a new head, UPSAMPLE:CONV: 4 upsampling layers for "
                    "the dense tasks (e.g. 768,512,256,128:64,32), 2 for pose (e.g. 1024,768:512,512,256); pointmap "
@@ -88,14 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-activations", action="store_true", help="recompute each backbone block in "
                    "the backward pass (less memory, ~30%% more compute)")
     p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state (FSDP2)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), help="autocast dtype (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--precision", choices=optimization.PRECISIONS, help="autocast dtype (default: the config's "
+                   "on CUDA, fp32 on CPU); the weights and optimizer state stay fp32")
     p.add_argument("--device", help="default cuda:LOCAL_RANK when CUDA is available, else cpu")
-    p.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--eval-every", type=int, default=1000, help="evaluate on val/ every N steps (and at the end; 0 = end only)")
-    p.add_argument("--log-every", type=int, default=10, help="log.jsonl line every N steps (default 10)")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                   help="data loading processes per training process (default: 4, at most the CPU count)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=whole(0), default=1000, help="checkpoint every N steps (and at the end; "
+                   "0 = end only)")
+    p.add_argument("--eval-every", type=whole(0), default=1000, help="evaluate on val/ every N steps (and at the "
+                   "end; 0 = end only)")
+    p.add_argument("--log-every", type=whole(1), default=10, help="log.jsonl line every N steps (default 10)")
+    p.add_argument("--workers", type=whole(0), default=min(4, os.cpu_count() or 1),
+                   help="data loading processes per training process (default: 4, at most the CPU count; 0 = in "
+                   "the training process)")
+    p.add_argument("--seed", type=number_in(int, 0, MAX_SEED), default=0, help="of the sample order, the "
+                   "augmentations and a new head (default 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--random-init", choices=RANDOM_INIT, default="never",
                    help="start from random weights instead of --model's checkpoint: 'fallback' when its download "
@@ -128,7 +157,7 @@ def parse_args(argv) -> argparse.Namespace:
         if (Path(args.out) / STATE_FILE).exists():
             parser.error(f"{args.out} already holds a training run: --resume continues it; for a new run choose "
                          "another -o (or delete that folder)")
-        return args
+        return checked_schedule(parser, args)
     state_path = Path(args.out) / STATE_FILE
     if not state_path.is_file():
         parser.error(f"--resume: {state_path} not found; nothing to resume in {args.out}")
@@ -143,6 +172,16 @@ def parse_args(argv) -> argparse.Namespace:
     for key, value in saved.items():
         if key not in given and key not in ("resume", "out", "data", "stop_at"):
             setattr(args, key, tuple(value) if key == "size" and value else value)
+    return checked_schedule(parser, args)
+
+
+def checked_schedule(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The schedule's options that only make sense together, as far as they are known before the data and the
+    model (the recipe's defaults come with the model: optimization.resolve_recipe checks again)."""
+    try:
+        optimization.check_schedule(args.lr, args.min_lr, args.warmup, args.steps)
+    except UsageError as error:
+        parser.error(str(error))
     return args
 
 
@@ -173,8 +212,8 @@ class Log:
 # Training
 # ----------------------------------------------------------------------------------------------------
 def autocast(args, device: torch.device):
-    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
-    if precision == "bf16":
+    """args.precision (the recipe's, optimization.resolve_recipe; unset: fp32)."""
+    if args.precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -210,6 +249,7 @@ class Run:
 
     def __init__(self, args, argv):
         self.args, self.argv = args, argv
+        self.given = None if argv is None else explicit_options(build_parser(), argv)  # for the recipe's sources
         self.dist = Distributed(args.device, args.fsdp)
         self.out = Path(args.out)
         self.notes = []
@@ -242,7 +282,11 @@ class Run:
                 f"(--batch-size {args.batch_size} x {dist_info.world} processes x --accumulate {args.accumulate})")
         steps_per_epoch = len(self.train_set) // self.global_batch
         self.total = args.steps or max(1, round((args.epochs or 10) * steps_per_epoch))
-        self.warmup = args.warmup if args.warmup is not None else min(500, self.total // 20)
+        self.recipe = optimization.resolve_recipe(args, model.config, dist_info.device.type, self.total, self.given)
+        followed = optimization.followed_config(args.task, model.config)
+        self.followed = followed.name + (f" ({followed.why})" if followed.why else "")
+        self.note(f"recipe, following the {self.followed}: {optimization.describe_recipe(self.recipe, args.min_lr)}")
+        self.warmup = self.recipe["warmup"].value
         self.stop = min(self.total, args.stop_at) if args.stop_at else self.total
         if args.freeze_backbone:
             model.backbone.requires_grad_(False)
@@ -274,7 +318,9 @@ class Run:
                             start=self.start)
         log = Log(self.out, dist_info.main)
         log.write({"start": self.start, "argv": self.argv, "notes": self.notes,
-                   "random_weights": bool(self.info.get("random_start"))})
+                   "random_weights": bool(self.info.get("random_start")),
+                   "recipe": {name: {"value": s.value, "from": s.source} for name, s in self.recipe.items()},
+                   "recipe_follows": self.followed})
         sampler = StepSampler(len(self.train_set), args, dist_info, self.start, self.stop)
         loader = data_loader(self.train_set, sampler, args.workers, pin_memory=dist_info.device.type == "cuda")
         stop_signals = StopSignals(on_request=lambda signum: progress.note(
@@ -322,14 +368,14 @@ class Run:
 
     def learning_rate(self, step: int) -> float:
         args = self.args
-        return optimization.learning_rate(step, self.total, self.warmup, args.lr, args.min_lr)
+        return optimization.learning_rate(step, self.total, self.warmup, args.lr, args.min_lr, args.schedule)
 
     def train_step(self, step: int, batches, params) -> float:
         """One optimizer step (over --accumulate micro-batches); returns its loss."""
         args, optimizer = self.args, self.optimizer
         optimization.set_learning_rate(optimizer, self.learning_rate(step))
         loss = sum(self.micro_step(self.model, next(batches), micro) for micro in range(args.accumulate))
-        if args.clip_grad > 0:
+        if args.clip_grad:
             torch.nn.utils.clip_grad_norm_(params, args.clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

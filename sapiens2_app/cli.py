@@ -1,6 +1,6 @@
 """What the three commands share on the command line: the one user-error type, the argument parser that reports in
-one line, the parsers of shared options (--size, --device, --dtype), the launcher's environment (RANK, WORLD_SIZE)
-and the one handling of Ctrl-C and SIGTERM.
+one line, the parsers of shared options (--size, --device, --dtype) and of numbers within a range, the launcher's
+environment (RANK, WORLD_SIZE) and the one handling of Ctrl-C and SIGTERM.
 
     try: ...
     except UsageError as error:        # bad arguments, inputs, data or checkpoints: `error: ...`, exit status 2
@@ -9,6 +9,7 @@ and the one handling of Ctrl-C and SIGTERM.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -60,6 +61,29 @@ def parse_size(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text}: each side must be a multiple of {PATCH_SIZE} from "
                                          f"{low} to {high}, e.g. 1024x768")
     return size
+
+
+def number_in(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False):
+    """An argparse `type` for a numeric option: an int (written as one: 2.5 and 1e3 are refused) or a finite float,
+    within [low, high] (low excluded when low_open). The message gives the range; argparse names the option:
+    `error: argument --lr: expected a number > 0, got '-1e-4'`."""
+    shown = lambda bound: str(bound) if kind is int else f"{bound:g}"  # noqa: E731
+    bounds = [f"{'>' if low_open else '>='} {shown(low)}" if low is not None else "",
+              f"<= {shown(high)}" if high is not None else ""]
+    wanted = f"{'a whole number' if kind is int else 'a number'} {' and '.join(b for b in bounds if b)}".strip()
+
+    def parse(text: str):
+        try:
+            value = int(text) if kind is int else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = wanted  # (what argparse would print for another exception)
+    return parse
 
 
 def pick_device(name: str | None) -> torch.device:

@@ -1,5 +1,6 @@
 """The model a fine-tune starts from: --model's checkpoint (or random weights, --random-init), its backbone, and
-its head continued or a new one (--head widths, else heads.default_head), with the data's labels."""
+its head continued or a new one (--head widths, else heads.default_head; initialized as the original's), with the
+data's labels."""
 
 from __future__ import annotations
 
@@ -117,8 +118,27 @@ def build_model(args, info: dict, log) -> tuple[heads.Sapiens2ForTask, bool]:
         torch.manual_seed(args.seed)  # the same new head on every process
         model.decode_head = heads.build_head(model.head_config, config.embed_dim, config.size_multiple,
                                              config.hidden_act)
+        init_new_head(model.decode_head, args.task)
     log(f"model: {source} -> {why}")
     return model.train(), random
+
+
+def init_new_head(head: torch.nn.Module, task: str):
+    """A new head's weights as the original heads' _init_weights sets them (sapiens/dense/src/models/heads/*_head.py,
+    sapiens/pose/src/models/heads/pose_heatmap_head.py): convolutions kaiming-normal (fan_out, relu), linear layers
+    (the pointmap scale MLP) kaiming-normal (fan_in, linear), biases zero. The dense heads' rule names nn.Conv2d
+    only, so their transposed convolutions (seg's) keep PyTorch's default, as there; the pose head's names both.
+    (The norms keep theirs: ones, or no weights at all, as the original's InstanceNorm2d.)"""
+    convolutions = (torch.nn.Conv2d, torch.nn.ConvTranspose2d) if task == "pose" else (torch.nn.Conv2d,)
+    for module in head.modules():
+        if isinstance(module, convolutions):
+            torch.nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(module, torch.nn.Linear):
+            torch.nn.init.kaiming_normal_(module.weight, mode="fan_in", nonlinearity="linear")
+        else:
+            continue
+        if module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
 
 def scale_branch_takes(head: heads.HeadConfig, config) -> bool:

@@ -24,7 +24,7 @@ import processing
 import train
 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
-from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, optimization, starting_model,
+from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, starting_model,
                           targets)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -408,7 +408,7 @@ def test_pointmap_augmentation_keeps_the_camera_consistent(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The model: new or continued head, frozen backbone, layer decay; bad data named
+# The model: new or continued head, frozen backbone (the recipe: test_train_recipe.py); bad data named
 # ----------------------------------------------------------------------------------------------------
 def test_new_head_then_continued_head_and_frozen_backbone(backbone, tmp_path, capsys):
     data = make_dataset("seg", tmp_path / "data", count=2)
@@ -427,22 +427,6 @@ def test_new_head_then_continued_head_and_frozen_backbone(backbone, tmp_path, ca
     (data / "classes.json").write_text(json.dumps(["background", "red", "blue", "green"]))
     assert train.main([str(a) for a in [*args[:4], tmp_path / "third", *args[5:]]]) == 0
     assert "new seg head with 4 outputs: the checkpoint's head has 3 outputs, the data 4" in capsys.readouterr().err
-
-
-def test_layer_decay_and_no_weight_decay_groups(backbone):
-    model = heads.build_task_model(weights.load(backbone).config, heads.HeadConfig("seg", (8,), (8,), 3))
-    args = train.build_parser().parse_args(["seg", "--data", "x", "-o", "y", "--layer-decay", "0.5", "--lr", "1"])
-    groups = optimization.parameter_groups(model, args)
-    lr_of = {id(p): (g["lr_scale"], g["weight_decay"]) for g in groups for p in g["params"]}
-    named = dict(model.named_parameters())
-    assert lr_of[id(named["decode_head.predictor.weight"])] == (1.0, 0.1)  # depth 2: head = layer 3
-    assert lr_of[id(named["backbone.blocks.1.attn.qkv.weight" if "backbone.blocks.1.attn.qkv.weight" in named
-                           else next(k for k in named if k.startswith("backbone.blocks.1.") and named[k].ndim == 2)])] == (0.5, 0.1)
-    assert lr_of[id(named["backbone.patch_embed.projection.weight"])] == (0.125, 0.1)
-    assert lr_of[id(named["backbone.cls_token"])] == (0.125, 0.0)
-    assert sum(len(g["params"]) for g in groups) == len(named)
-    assert [optimization.learning_rate(s, 10, 2, 1.0, 0.0) for s in (0, 1, 2, 6, 9)] == pytest.approx(
-        [0.5, 1.0, 1.0, 0.5 * (1 + np.cos(np.pi * 4 / 8)), 0.5 * (1 + np.cos(np.pi * 7 / 8))])
 
 
 @pytest.mark.parametrize("task, damage, message", [
