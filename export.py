@@ -30,16 +30,20 @@ Numerics
     printed, and above `tolerance(dtype, rope)` (fp32 1e-4, fp16 2e-2, bf16 5e-2; 2e-3 for an fp32 model with
     bf16 RoPE, whose own rounding noise is ~3e-4) the file is removed and the exit status is 1.
 Files are written to a temporary folder beside the output and moved into place only after the check passes.
-Exit status: 0 written and checked, 1 the check failed (nothing written), 2 bad arguments or missing packages.
+Exit status: 0 written and checked, 1 the check or the write failed (nothing written), 2 bad arguments or missing
+packages, 130 / 143 interrupted by Ctrl-C / SIGTERM (nothing written; an earlier file at -o is kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import io
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -87,6 +91,10 @@ ONNX_PACKAGES = "pip install onnx onnxscript onnxruntime"
 
 class CheckFailed(Exception):
     """The artifact does not reproduce eager within the tolerance: exit status 1."""
+
+
+class WriteFailed(Exception):
+    """The artifact could not be written (a full disk): exit status 1, nothing left behind."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,8 +258,43 @@ def export_program(wrapper: ExportWrapper, example: torch.Tensor, dynamic_batch:
 
 
 def export_torch(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
-    torch.export.save(export_program(wrapper, example, dynamic_batch), str(path),
-                      extra_files={"sapiens2.json": json.dumps(info)})
+    program = export_program(wrapper, example, dynamic_batch)
+    with open(path, "wb") as file:
+        kept = WriteErrorKept(file)
+        torch.export.save(program, kept, extra_files={"sapiens2.json": json.dumps(info)})
+    if kept.error is not None:
+        raise kept.error
+
+
+class WriteErrorKept(io.RawIOBase):
+    """A file for torch's C++ archive writer that keeps the first write error (a full disk) for the caller to
+    raise once the writer is done. Thrown into the writer, the error aborts the process: the writer's destructor
+    writes the archive's end again, and C++ terminates on a second exception ("terminate called after throwing
+    an instance of c10::Error", exit -6, whether torch opened the file or was handed a Python one)."""
+
+    def __init__(self, file):
+        super().__init__()
+        self.file, self.error = file, None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self.file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def write(self, data) -> int:
+        if self.error is None:  # after an error the archive is lost anyway: the rest is not written
+            try:
+                self.file.write(data)
+            except OSError as error:
+                self.error = error
+        return len(data)
 
 
 def run_torch(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -383,19 +426,23 @@ def export(args) -> dict[str, float]:
         expected = wrapper(example)  # also fills the RoPE table cache: the tables become graph constants
     write, run = WRITERS[args.format]
     info = describe(args.task, source, model, size, dtype, args.dynamic_batch, random)
-    with safe_io.staging_folder(path.parent, prefix=f".{path.name}.") as staging:
-        print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
-              f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {rope}) to {args.format} ...",
-              file=sys.stderr)
-        write(wrapper, example, staging / path.name, args.dynamic_batch, info)
-        differences = compare(run(staging / path.name, example), expected)
-        bound = tolerance(dtype, rope)
-        summary = ", ".join(f"{name} {d:.2e}" for name, d in differences.items())
-        print(f"max relative difference vs eager ({info['dtype']}, RoPE {rope}, tolerance {bound:.0e}): {summary}")
-        if not all(d <= bound for d in differences.values()):  # (NaN fails too)
-            raise CheckFailed(f"the {args.format} artifact differs from eager by more than {bound:.0e}: "
-                              f"{path} not written")
-        written = {item.name for item in staging.iterdir()}
+    print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
+          f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {rope}) to {args.format} ...",
+          file=sys.stderr)
+    try:
+        with safe_io.staging_folder(path.parent, prefix=f".{path.name}.") as staging:
+            write(wrapper, example, staging / path.name, args.dynamic_batch, info)
+            differences = compare(run(staging / path.name, example), expected)
+            bound = tolerance(dtype, rope)
+            summary = ", ".join(f"{name} {d:.2e}" for name, d in differences.items())
+            print(f"max relative difference vs eager ({info['dtype']}, RoPE {rope}, tolerance {bound:.0e}): "
+                  f"{summary}")
+            if not all(d <= bound for d in differences.values()):  # (NaN fails too)
+                raise CheckFailed(f"the {args.format} artifact differs from eager by more than {bound:.0e}: "
+                                  f"{path} not written")
+            written = {item.name for item in staging.iterdir()}
+    except OSError as error:  # the staged files are removed; an earlier file at -o stays as it was
+        raise WriteFailed(write_error_text(path, error)) from None
     stale = path.with_name(path.name + ".data")  # the weights of an earlier, bigger export of that name
     if path.suffix == ".onnx" and stale.name not in written and stale.exists():
         stale.unlink()
@@ -405,27 +452,53 @@ def export(args) -> dict[str, float]:
     return differences
 
 
+def write_error_text(path: Path, error: OSError) -> str:
+    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+    kept = "; the earlier file there is unchanged" if path.exists() else ""
+    return (f"-o {path}: writing the artifact failed: {error.strerror or error}{code}; nothing was written{kept}; "
+            f"free some space or choose another location")
+
+
 def random_banner(task: str, random_init: str) -> str:
     return random_weights_banner(task, random_init, "The artifact runs end to end, but its outputs are "
                                          "MEANINGLESS (its metadata says random_weights).")
 
 
+class RecordedStopSignals(StopSignals):
+    """StopSignals that remember the signal: the ONNX exporter can turn the KeyboardInterrupt raised inside it
+    into an error of its own (a Ctrl-C while it imports torch._dynamo fails its `except torch._dynamo.exc...`
+    clause), and after a stop any error is that stop."""
+
+    received: int | None = None
+
+    def handle(self, signum, frame):
+        self.received = signum
+        super().handle(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stops = RecordedStopSignals()
     try:
-        with StopSignals():  # SIGTERM as Ctrl-C: the staging folder is removed either way
+        with stops:  # SIGTERM as Ctrl-C: the staging folder is removed either way
             export(args)
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except CheckFailed as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt as stop:
-        print(f"\n{'terminated' if isinstance(stop, Terminated) else 'interrupted'}: the export did not finish; "
-              f"nothing half-written is left", file=sys.stderr)
-        return TERMINATED if isinstance(stop, Terminated) else INTERRUPTED
+        return stopped(signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+    except Exception as error:
+        if stops.received is not None:  # the exporter made our KeyboardInterrupt an error of its own
+            return stopped(stops.received)
+        if not isinstance(error, (UsageError, CheckFailed, WriteFailed)):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, UsageError) else 1
     return 0
+
+
+def stopped(signum: int) -> int:
+    terminated = signum == signal.SIGTERM
+    print(f"\n{'terminated' if terminated else 'interrupted'}: the export did not finish; nothing half-written is "
+          f"left", file=sys.stderr)
+    return TERMINATED if terminated else INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,14 +68,41 @@ def staging_folder(destination: Path, prefix: str, last: tuple[str, ...] = ()):
     every case. A failed or interrupted write leaves no partial file under a final name, and a crashed earlier
     writer's folder is never reused."""
     destination.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=destination))
+    staging = None
     try:
+        with signals_deferred():  # no Ctrl-C between making the folder and owning it
+            staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=destination))
         yield staging
         order = {name: rank for rank, name in enumerate(last, start=1)}  # the others first (rank 0), by name
-        for item in sorted(staging.iterdir(), key=lambda item: (order.get(item.name, 0), item.name)):
-            os.replace(item, destination / item.name)
+        with signals_deferred():  # all moved or none
+            for item in sorted(staging.iterdir(), key=lambda item: (order.get(item.name, 0), item.name)):
+                os.replace(item, destination / item.name)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            with signals_deferred():  # a second Ctrl-C or SIGTERM would cut the removal short
+                shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Ctrl-C and SIGTERM held back during the block and raised again when it ends, to the handlers that were in
+    place (in the main thread, where Python handles signals; the block must be short: a Ctrl-C waits for it).
+    Python-level, because blocking the signal in the OS would only block it for the calling thread, and the
+    kernel hands a Ctrl-C to any thread (torch's, ONNX Runtime's) that does not block it."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, signals):
+        yield  # (None: a handler installed outside Python, which could not be put back)
+        return
+    pending = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
+                for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if pending:
+            signal.raise_signal(pending[0])  # as if it came now
 
 
 def temporary_path(path: Path) -> Path:
