@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import processing
 from sapiens2_app.cli import UsageError
-from sapiens2_app.inputs import InputImage, clip_of_frame_key, is_video
+from sapiens2_app.inputs import FRAME_KEY, InputImage, clip_of_frame_key, is_video
 
 MIN_BLOB_FRACTION = 0.1  # person blobs smaller than this fraction of the largest one are dropped
 MIN_BLOB_AREA = 0.002  # ... and blobs under this fraction of the image
@@ -76,6 +76,14 @@ def unmatched_boxes_warnings(path: str | None, boxes: dict | None, items: list[I
     return [f"--boxes {path}: {len(unmatched)} entries match no input image ({', '.join(map(repr, unmatched[:3]))}"
             f"{', ...' if len(unmatched) > 3 else ''}); keys are the path relative to the input folder or the "
             f"file name"]
+
+
+def frame_keys_past_the_end(boxes: dict | None, clip: InputImage, frames: int) -> list[str]:
+    """The --boxes keys of `clip`'s frames (`clip.mp4#N`, by any of its box_keys) that name no frame of its
+    `frames` (the frame count is known only once the video is decoded: unmatched_boxes_warnings cannot tell)."""
+    names = set(box_keys(clip))
+    return [key for key in boxes or () if (match := FRAME_KEY.fullmatch(key)) and match[1] in names
+            and int(match[2]) >= frames]
 
 
 

@@ -4,6 +4,7 @@
     encode(value, suffix)            # the bytes of a file (a picture, an array, JSON, tensors)
     json_text(value)                 # strict JSON: NaN/Infinity become null
     check_writable(folder)           # a probe through the same writer (raises the OSError)
+    hold(temp)                       # a long write's temporary, locked while its writer lives
     remove_stale_temporaries(out)    # what a killed run (kill -9) left behind
 
 predict.py writes every output and manifest through `atomic_write`; so can any other command (video, detection)
@@ -29,6 +30,11 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.torch import save as save_safetensors_bytes
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; held temporaries fall under the 10-minute rule
+    fcntl = None
 
 from weights import new_file_mode
 
@@ -105,33 +111,66 @@ def signals_deferred():
             signal.raise_signal(pending[0])  # as if it came now
 
 
-def temporary_path(path: Path) -> Path:
-    """`.NAME.PID.RANDOM.partial` beside `path`: unique to this writer, and known to remove_stale_temporaries."""
+def temporary_path(path: Path, held: bool = False) -> Path:
+    """`.NAME.PID.RANDOM.partial` beside `path` (`.NAME.PID.RANDOM.held.partial` for a temporary its writer
+    holds locked, see `hold`): unique to this writer, and known to remove_stale_temporaries."""
     # a long name shortened, so that the temporary's name fits where the output's does (255 bytes)
     name = path.name if len(os.fsencode(path.name)) <= 200 else path.name[:50]
-    return path.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    return path.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}{'.held' if held else ''}.partial")
 
 
-TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.partial$")  # atomic_write's names: .NAME.PID.RANDOM.partial
+def hold(temp: Path):
+    """Create `temp` (a `held` temporary_path) and lock it for as long as the returned file stays open: for a
+    temporary written for long (an overlay video), so that remove_stale_temporaries can tell, whatever its age,
+    whether its writer is gone (the lock goes with the process however it ends, kill -9 included)."""
+    file = open(temp, "xb")  # noqa: SIM115 (open until the writer is done)
+    if fcntl is not None:
+        with contextlib.suppress(OSError):  # no locks on this file system: the 10-minute rule applies to it
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return file
+
+
+# atomic_write's and hold's names: .NAME.PID.RANDOM.partial, .NAME.PID.RANDOM.held.partial
+TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}(\.held)?\.partial$")
 STALE_AFTER_S = 600
 
 
 def remove_stale_temporaries(out: Path) -> int:
-    """Temporaries left in OUT by a killed run (kill -9, power loss): those of a process that no longer runs
-    here, untouched for 10 minutes (on a shared disk the process may run on another machine, and would still be
-    writing). Returns how many were removed."""
+    """Temporaries left in OUT by a killed run (kill -9, power loss). A held one as soon as no process holds
+    its lock; the others when their process no longer runs here and they were untouched for 10 minutes (on a
+    shared disk the process may run on another machine, and would still be writing). Returns how many were
+    removed."""
     removed, now = 0, time.time()
     for folder, _, files in os.walk(out):
         for name in files:
             match = TEMPORARY.match(name)
             path = Path(folder) / name
+            if not match:
+                continue
             try:
-                if match and not process_alive(int(match[1])) and now - path.stat().st_mtime > STALE_AFTER_S:
+                gone = writer_gone(path) if match[2] else None  # None: cannot tell by a lock
+                if gone is None:
+                    gone = not process_alive(int(match[1])) and now - path.stat().st_mtime > STALE_AFTER_S
+                if gone:
                     path.unlink()
                     removed += 1
             except OSError:  # gone meanwhile, or not ours to remove: leave it
                 pass
     return removed
+
+
+def writer_gone(path: Path) -> bool | None:
+    """Whether nobody holds a held temporary's lock; None when this system cannot tell (no locks)."""
+    if fcntl is None:
+        return None
+    with open(path, "rb") as file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer holds it
+        except OSError:
+            return None
+        return True
 
 
 def process_alive(pid: int) -> bool:

@@ -22,7 +22,8 @@ from sapiens2_app import formats, tracking
 from sapiens2_app.artefacts import overlay_suffix
 from sapiens2_app.inputs import InputImage, frame_name, frame_of
 from sapiens2_app.pipeline import Run, StopRun
-from sapiens2_app.safe_io import atomic_write, temporary_path
+from sapiens2_app.boxes import frame_keys_past_the_end
+from sapiens2_app.safe_io import atomic_write, hold, temporary_path
 
 ENCODERS = ("libx264", "mpeg4")  # H.264 where FFmpeg has it, else MPEG-4 part 2 (in every FFmpeg build)
 H264_QUALITY = "18"  # x264 CRF: visually lossless for these pictures
@@ -89,9 +90,10 @@ def expected_frames(path: Path, selection: FrameSelection) -> int:
     return selection.count(frames)
 
 
-def decode(path: Path, selection: FrameSelection) -> Iterator[tuple[int, torch.Tensor]]:
-    """(frame index, (3, H, W) uint8 RGB) of the selected frames, in order, one at a time. Frames before
-    --start are decoded and dropped (exact indices, no keyframe seeking); decoding stops at --end."""
+def decode(path: Path, selection: FrameSelection) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """(frame index, (3, H, W) uint8 RGB) of every frame, in order, one at a time; None for the pixels of a frame
+    the selection skips (so the caller knows how far the video goes). Frames before --start are decoded and
+    dropped (exact indices, no keyframe seeking); decoding stops at --end."""
     av = require_av()
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
@@ -99,8 +101,9 @@ def decode(path: Path, selection: FrameSelection) -> Iterator[tuple[int, torch.T
         for index, frame in enumerate(container.decode(stream)):
             if selection.past(index):
                 break
-            if selection.selects(index):
-                yield index, torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous()
+            selected = selection.selects(index)
+            yield index, (torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous()
+                          if selected else None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,31 +120,34 @@ def pick_encoder(av) -> str:
 
 
 class VideoWriter:
-    """An MP4 written frame by frame to a temporary `.NAME.PID.RANDOM.partial` (safe_io's: unique per writer,
-    removed as stale by --skip-existing after a kill -9), renamed to NAME by `close` (an interrupted run leaves no
-    file that looks complete). Frames of odd width/height are padded by one edge pixel (4:2:0 needs even)."""
+    """An MP4 written frame by frame to a temporary `.NAME.PID.RANDOM.held.partial` (safe_io's: unique per writer,
+    locked while it writes, so --skip-existing removes it once its writer is gone, after a kill -9), renamed to
+    NAME by `close` (an interrupted run leaves no file that looks complete). Frames of odd width/height are padded
+    by one edge pixel (4:2:0 needs even); a frame of another size than the first is rescaled to it."""
 
     def __init__(self, path: Path, rate: Fraction):
         self.av = require_av()
         self.path, self.rate = path, rate
-        self.partial = temporary_path(path)
-        self.container = self.stream = None
+        self.partial = temporary_path(path, held=True)
+        self.container = self.stream = self.lock = None
+        self.size = None  # (width, height) of the first frame
         self.frames = 0
 
     def write(self, picture: Image.Image):
-        pixels = np.asarray(picture.convert("RGB"))
         if self.stream is None:
-            self.open(*pixels.shape[:2])
+            self.size = picture.size
+            self.open(picture.height, picture.width)
+        if picture.size != self.size:  # the source changed its frame size mid-stream: the video keeps its first
+            picture = picture.resize(self.size, Image.BILINEAR)
+        pixels = np.asarray(picture.convert("RGB"))
         pixels = np.pad(pixels, ((0, pixels.shape[0] % 2), (0, pixels.shape[1] % 2), (0, 0)), mode="edge")
-        if pixels.shape[:2] != (self.stream.height, self.stream.width):
-            raise ValueError(f"{self.path}: frame {self.frames} is {pixels.shape[1]}x{pixels.shape[0]}, the video "
-                             f"{self.stream.width}x{self.stream.height}")
         frame = self.av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
         self.container.mux(self.stream.encode(frame))
         self.frames += 1
 
     def open(self, height: int, width: int):
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock = hold(self.partial)  # created and locked here; FFmpeg writes into the same file
         self.container = self.av.open(str(self.partial), "w", format="mp4")
         encoder = pick_encoder(self.av)
         self.stream = self.container.add_stream(encoder, rate=self.rate)
@@ -159,10 +165,13 @@ class VideoWriter:
         if keep:
             self.container.mux(self.stream.encode(None))
         self.container.close()
-        if keep:
-            self.partial.replace(self.path)
-        else:
-            self.partial.unlink(missing_ok=True)
+        try:
+            if keep:
+                self.partial.replace(self.path)
+            else:
+                self.partial.unlink(missing_ok=True)
+        finally:
+            self.lock.close()
 
 
 class OverlayVideos:
@@ -229,6 +238,9 @@ class VideoRun:
         self.overlays = OverlayVideos(self.outputs.stem(clip), self.rate, list(settings.picture_suffixes))
         self.index: dict = {}  # frame item -> frame index
         self.written = self.skipped = self.sent = 0  # frames written, skipped as done, sent to the pipeline
+        self.decoded = 0  # frames decoded, selected or not
+        self.first_size: tuple[int, int] | None = None  # (height, width) of the first selected frame
+        self.size_change_noted = False
 
     def probe_rate(self) -> Fraction:
         av = require_av()
@@ -251,6 +263,10 @@ class VideoRun:
         try:
             try:
                 for index, image in decode(self.clip.path, self.settings.selection):
+                    self.decoded = index + 1
+                    if image is None:  # not selected
+                        continue
+                    self.check_size(index, image)
                     item = self.frame(index)
                     if self.settings.skip_existing and self.outputs.all_written(item):
                         self.flush(pending)
@@ -278,10 +294,39 @@ class VideoRun:
         if completed and damaged is None and self.sent + self.skipped < expected:  # FFmpeg ends truncated files quietly
             self.progress.note(f"warning: {self.clip.path}: {self.sent + self.skipped} of the {expected} selected "
                                f"frames its header announces were decoded (a truncated file?)")
+        if completed and damaged is None:
+            for warning in self.past_the_end_warnings():
+                self.progress.note(warning)
         summary = {"frames_written": self.written, "frames_skipped_existing": self.skipped, "fps": float(self.rate),
                    "frames_announced": expected, "overlays": overlays,
                    "tracks": len(self.tracker.tracks) if self.tracker else None}
         return summary if damaged is None else {**summary, "error": damaged}
+
+    def check_size(self, index: int, image: torch.Tensor):
+        """Each frame is processed at its own size; the overlay videos keep the first (VideoWriter): say so once."""
+        size = tuple(image.shape[1:])
+        self.first_size = self.first_size or size
+        if size != self.first_size and self.settings.picture_suffixes and not self.size_change_noted:
+            (h, w), (h0, w0) = size, self.first_size
+            self.progress.note(f"note: {self.clip.path}: the frame size changes at frame {index} ({w}x{h}, before "
+                               f"{w0}x{h0}): each frame's files keep its own size, the overlay videos show such "
+                               f"frames rescaled to {w0}x{h0}")
+            self.size_change_noted = True
+
+    def past_the_end_warnings(self) -> list[str]:
+        """--start, and --boxes frame keys, past the last frame of a video decoded to its end."""
+        selection = self.settings.selection
+        if selection.end is not None and self.decoded >= selection.end:  # stopped at --end: its length is unknown
+            return []
+        warnings = []
+        if self.decoded <= selection.start:
+            warnings.append(f"warning: {self.clip.path}: --start {selection.start} is past its last frame (it has "
+                            f"{self.decoded}): no frame of it was processed")
+        if keys := frame_keys_past_the_end(self.pipeline.inference.boxes, self.clip, self.decoded):
+            warnings.append(f"warning: --boxes: {', '.join(map(repr, keys[:3]))}{', ...' if len(keys) > 3 else ''} "
+                            f"{'match' if len(keys) > 1 else 'matches'} no frame: {self.clip.path} has {self.decoded} (#0 to "
+                            f"#{self.decoded - 1})")
+        return warnings
 
     def flush(self, pending: list):
         if pending:

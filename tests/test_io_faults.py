@@ -11,15 +11,22 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+import predict
 import weights
 from sapiens2_app import safe_io
 from sapiens2_app.cli import StopSignals
 from test_export import tiny_model as tiny_export_model
+from test_predict import model_args, tiny_model
+
+av = pytest.importorskip("av")  # CI has it (requirements-test.txt)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -124,3 +131,137 @@ def test_a_second_signal_during_the_staging_cleanup_still_removes_it(tmp_path, m
             (staging / "model.onnx").write_bytes(b"half")
             raise KeyboardInterrupt  # the first Ctrl-C
     assert hidden(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Videos
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("checkpoints")
+    torch.manual_seed(0)
+    return {task: weights.save(tiny_model(task), folder / f"{task}.safetensors") for task in ("seg", "pose")}
+
+
+def write_clip(path: Path, sizes: list[tuple[int, int]], container_format: str | None = None) -> Path:
+    """MPEG-4 frames of the given (width, height), a colour ramp."""
+    with av.open(str(path), "w", format=container_format) as container:
+        stream = container.add_stream("mpeg4", rate=25)
+        (stream.width, stream.height), stream.pix_fmt = sizes[0], "yuv420p"
+        for index, (width, height) in enumerate(sizes):
+            pixels = np.full((height, width, 3), (40 + 10 * index, 90, 160), np.uint8)
+            pixels[height // 4: height // 2, width // 3: width // 2] = 220
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode(None))
+    return path
+
+
+def write_resizing_clip(path: Path) -> Path:
+    """Four 48x32 frames, then four 64x48: two raw MPEG-4 streams end to end (`.m4v`), as a camera or a cut
+    that changes resolution makes one; the decoder follows the new stream header."""
+    parts = [write_clip(path.with_name(f"part{i}.m4v"), [size] * 4, "m4v") for i, size in enumerate(((48, 32),
+                                                                                                     (64, 48)))]
+    path.write_bytes(b"".join(part.read_bytes() for part in parts))
+    for part in parts:
+        part.unlink()
+    return path
+
+
+def write_audio_only(path: Path) -> Path:
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=8000)
+        for index in range(4):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = 8000, index * 1024
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return path
+
+
+def frame_sizes(path: Path) -> list[tuple[int, int]]:
+    with av.open(str(path)) as container:
+        return [(frame.width, frame.height) for frame in container.decode(video=0)]
+
+
+def test_odd_videos_every_frame_processed_and_said_in_one_line(checkpoints, tmp_path, capsys):
+    """An audio-only .mp4 fails alone ("no video stream"); a clip whose frame size changes mid-stream has every
+    frame's files at that frame's size, and overlay videos of the first size (said once); a --boxes key past a
+    clip's last frame is named."""
+    clips = tmp_path / "in"
+    clips.mkdir()
+    resizing = write_resizing_clip(clips / "resize.m4v")
+    write_clip(clips / "clip.mp4", [(48, 32)] * 12)
+    write_audio_only(clips / "sound.mp4")
+    boxes = tmp_path / "boxes.json"
+    boxes.write_text(json.dumps({"clip.mp4#3": [[4, 4, 20, 20]], "clip.mp4#12": [[4, 4, 20, 20]]}))
+    out = tmp_path / "out"
+    code = predict.main(["seg,pose", str(clips), "-o", str(out), "--boxes", str(boxes), "--batch-size", "3",
+                         *model_args(checkpoints, ["seg", "pose"])])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err  # 1: sound.mp4 failed
+    assert error_lines(err) == [f"error: ValueError: {clips / 'sound.mp4'}: no video stream in it (skipped)"], err
+    sizes = frame_sizes(resizing)
+    assert sizes == [(48, 32)] * 4 + [(64, 48)] * 4
+    for index, size in enumerate(sizes):
+        with Image.open(out / "resize" / f"{index:06d}.seg.png") as seg:
+            assert seg.size == size
+        assert (out / "resize" / f"{index:06d}.pose.json").exists()
+    assert frame_sizes(out / "resize.seg_overlay.mp4") == [(48, 32)] * 8
+    assert frame_sizes(out / "resize.pose_overlay.mp4") == [(48, 32)] * 8
+    assert (f"note: {resizing}: the frame size changes at frame 4 (64x48, before 48x32): each frame's files keep "
+            "its own size, the overlay videos show such frames rescaled to 48x32") in err.splitlines()
+    assert (f"warning: --boxes: 'clip.mp4#12' matches no frame: {clips / 'clip.mp4'} has 12 (#0 to #11)"
+            in err.splitlines())
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["videos"]["resize.m4v"]["frames_written"] == 8 and "error" not in manifest["videos"]["resize.m4v"]
+    assert manifest["videos"]["clip.mp4"]["frames_written"] == 12
+
+
+def test_a_start_past_the_last_frame_is_a_warning(checkpoints, tmp_path, capsys):
+    clip = write_clip(tmp_path / "clip.mp4", [(48, 32)] * 12)
+    out = tmp_path / "out"
+    assert predict.main(["seg", str(clip), "-o", str(out), "--start", "50", *model_args(checkpoints, ["seg"])]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {clip}: --start 50 is past its last frame (it has 12): no frame of it was processed" in err
+    assert json.loads((out / "run.json").read_text())["videos"]["clip.mp4"]["frames_written"] == 0
+
+
+# A predict.py run whose overlay writer stops for good after its 44th frame of 48: kill -9 lands mid-video, with the
+# overlay video's temporary open (FFmpeg creates the file only once x264's lookahead, 40 frames, has passed).
+HANGING_PREDICT = r"""
+import sys, time
+import predict
+from sapiens2_app import video
+
+real_write = video.VideoWriter.write
+
+def write_then_hang(self, picture):
+    real_write(self, picture)
+    if self.frames == 44:
+        print("hanging", flush=True)
+        time.sleep(600)
+
+video.VideoWriter.write = write_then_hang
+sys.exit(predict.main(sys.argv[1:]))
+"""
+
+
+def test_skip_existing_after_kill_9_removes_the_overlay_temporaries_at_once(checkpoints, tmp_path, capsys):
+    clip = write_clip(tmp_path / "clip.mp4", [(48, 32)] * 48)
+    out = tmp_path / "out"
+    args = ["seg", str(clip), "-o", str(out), "--batch-size", "4", *model_args(checkpoints, ["seg"])]
+    child = subprocess.Popen([sys.executable, "-c", HANGING_PREDICT, *args], cwd=ROOT, env=CHILD_ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "hanging\n", child.stderr.read()
+        temporaries = [p.name for p in out.iterdir() if p.name.endswith(".partial")]
+        assert len(temporaries) == 1 and temporaries[0].startswith(".clip.seg_overlay.mp4.")
+    finally:
+        child.kill()  # SIGKILL: no cleanup of any kind
+        child.communicate()
+    assert predict.main([*args, "--skip-existing"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: removed 1 temporary files left in {out} by an earlier run that was killed" in err, err
+    assert [p.name for p in out.rglob("*.partial")] == []
+    assert frame_sizes(out / "clip.seg_overlay.mp4") == [(48, 32)] * 48
+    assert sorted(p.name for p in (out / "clip").glob("*.seg.png")) == [f"{i:06d}.seg.png" for i in range(48)]
