@@ -6,6 +6,7 @@ The faults are real ones in real child processes on tiny models: signals sent by
 chosen moment, a file size limit (RLIMIT_FSIZE: writes past it fail with EFBIG, the way they fail with ENOSPC on a
 full disk, inside torch's own writers too, which no Python-level injection reaches), kill -9."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,13 +19,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 import predict
 import weights
-from sapiens2_app import safe_io
+from sapiens2_app import dfine, safe_io
 from sapiens2_app.cli import StopSignals
 from test_export import tiny_model as tiny_export_model
-from test_predict import model_args, tiny_model
+from test_predict import model_args, tiny_model, write_images
 
 av = pytest.importorskip("av")  # CI has it (requirements-test.txt)
 
@@ -265,3 +267,37 @@ def test_skip_existing_after_kill_9_removes_the_overlay_temporaries_at_once(chec
     assert [p.name for p in out.rglob("*.partial")] == []
     assert frame_sizes(out / "clip.seg_overlay.mp4") == [(48, 32)] * 48
     assert sorted(p.name for p in (out / "clip").glob("*.seg.png")) == [f"{i:06d}.seg.png" for i in range(48)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The person detector
+# ----------------------------------------------------------------------------------------------------
+# tests/test_detect.py's "nano" shape (two levels), in this port's own names: no transformers to import
+TINY_DFINE = dfine.DFineConfig(
+    stem_channels=[3, 8, 8], stage_in_channels=[8, 16, 32, 48], stage_mid_channels=[8, 8, 16, 16],
+    stage_out_channels=[16, 32, 48, 64], stage_num_blocks=[1, 1, 2, 1], stage_numb_of_layers=[2, 2, 2, 2],
+    out_indices=[3, 4], decoder_in_channels=[32, 32], num_feature_levels=2, encode_proj_layers=[1],
+    decoder_n_points=4, decoder_layers=2, encoder_hidden_dim=32, encoder_ffn_dim=64, encoder_attention_heads=2,
+    d_model=32, decoder_ffn_dim=64, decoder_attention_heads=4, num_queries=20, depth_mult=0.34,
+    hidden_expansion=0.5, lqe_hidden_dim=16, max_num_bins=8, id2label={0: "cat", 1: "person"}, num_labels=2)
+
+
+def test_a_detector_with_nan_weights_is_refused_at_load(checkpoints, tmp_path, capsys):
+    """As --model's are: one line naming the file, exit 2, before anything is written (it used to run, find no one
+    in any image and fall back to the whole image, silently)."""
+    folder = tmp_path / "dfine"
+    folder.mkdir()
+    state = {name: torch.full_like(t, float("nan")) if t.is_floating_point() else t
+             for name, t in dfine.DFine(TINY_DFINE).state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "d_fine", **dataclasses.asdict(TINY_DFINE)}))
+    image = write_images(tmp_path / "in", {"a.jpg": (40, 30)}) / "a.jpg"
+    out = tmp_path / "out"
+    code = predict.main(["pose", str(image), "-o", str(out), "--detector", str(folder),
+                         *model_args(checkpoints, ["pose"])])
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: --detector: {folder}: ") and "tensors hold NaN or Inf values" in lines[0]
+    assert lines[0].endswith("a corrupt checkpoint, refused")
+    assert not out.exists() or list(out.iterdir()) == []  # (the writability probe may have made the folder)
