@@ -29,7 +29,8 @@ Numerics
     eager model (same dtype, same kernels); the max relative difference max|a - e| / max|e| of each output is
     printed, and above `tolerance(dtype, rope)` (fp32 1e-4, fp16 2e-2, bf16 5e-2; 2e-3 for an fp32 model with
     bf16 RoPE, whose own rounding noise is ~3e-4) the file is removed and the exit status is 1.
-Files are written to a temporary folder beside the output and moved into place only after the check passes.
+Files are written to a temporary folder beside the output and moved into place only after the check passes; the
+folder of an export killed earlier (kill -9) is removed by the next export to the same -o.
 Exit status: 0 written and checked, 1 the check or the write failed (nothing written), 2 bad arguments or missing
 packages, 130 / 143 interrupted by Ctrl-C / SIGTERM (nothing written; an earlier file at -o is kept).
 """
@@ -259,9 +260,15 @@ def export_program(wrapper: ExportWrapper, example: torch.Tensor, dynamic_batch:
 
 def export_torch(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
     program = export_program(wrapper, example, dynamic_batch)
+    through_python_file(path, lambda file: torch.export.save(program, file,
+                                                            extra_files={"sapiens2.json": json.dumps(info)}))
+
+
+def through_python_file(path: Path, write):
+    """write(file) into `path` through a WriteErrorKept, whose kept error is raised once the writer is done."""
     with open(path, "wb") as file:
         kept = WriteErrorKept(file)
-        torch.export.save(program, kept, extra_files={"sapiens2.json": json.dumps(info)})
+        write(kept)
     if kept.error is not None:
         raise kept.error
 
@@ -307,8 +314,8 @@ def export_aoti(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
     # Inductor fuses elementwise chains and by default rounds a bf16 chain once at its end; the bf16 RoPE
     # convention is the rounding after every op, which emulate_precision_casts keeps.
     with torch.no_grad():
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                                 inductor_configs={"emulate_precision_casts": True})
+        through_python_file(path, lambda file: torch._inductor.aoti_compile_and_package(
+            program, package_path=file, inductor_configs={"emulate_precision_casts": True}))
 
 
 def run_aoti(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -429,8 +436,12 @@ def export(args) -> dict[str, float]:
     print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
           f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {rope}) to {args.format} ...",
           file=sys.stderr)
+    prefix = f".{path.name}."
+    if removed := safe_io.remove_abandoned_staging(path.parent, prefix):
+        print(f"note: removed {removed} staging folder{'s' if removed > 1 else ''} ({prefix}XXXXXXXX.tmp) that an "
+              f"export killed earlier left in {path.parent}", file=sys.stderr)
     try:
-        with safe_io.staging_folder(path.parent, prefix=f".{path.name}.") as staging:
+        with safe_io.staging_folder(path.parent, prefix=prefix) as staging:
             write(wrapper, example, staging / path.name, args.dynamic_batch, info)
             differences = compare(run(staging / path.name, example), expected)
             bound = tolerance(dtype, rope)

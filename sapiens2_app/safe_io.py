@@ -6,6 +6,7 @@
     check_writable(folder)           # a probe through the same writer (raises the OSError)
     hold(temp)                       # a long write's temporary, locked while its writer lives
     remove_stale_temporaries(out)    # what a killed run (kill -9) left behind
+    remove_abandoned_staging(folder, prefix)   # the staging folders of a killed writer
 
 predict.py writes every output and manifest through `atomic_write`; so can any other command (video, detection)
 that writes into a user's folder. `write_value` is the one place bytes reach the disk: tests inject faults there.
@@ -72,12 +73,14 @@ def staging_folder(destination: Path, prefix: str, last: tuple[str, ...] = ()):
     appear together: when the block succeeds they are moved into `destination` (renames on one file system; the
     names in `last` after the others, e.g. the file that says the rest is complete), and the folder is removed in
     every case. A failed or interrupted write leaves no partial file under a final name, and a crashed earlier
-    writer's folder is never reused."""
+    writer's folder is never reused. The folder is locked while it exists, so that remove_abandoned_staging can
+    tell it from one a kill -9 left."""
     destination.mkdir(parents=True, exist_ok=True)
-    staging = None
+    staging = lock = None
     try:
         with signals_deferred():  # no Ctrl-C between making the folder and owning it
             staging = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=destination))
+            lock = lock_folder(staging)
         yield staging
         order = {name: rank for rank, name in enumerate(last, start=1)}  # the others first (rank 0), by name
         with signals_deferred():  # all moved or none
@@ -87,6 +90,46 @@ def staging_folder(destination: Path, prefix: str, last: tuple[str, ...] = ()):
         if staging is not None:
             with signals_deferred():  # a second Ctrl-C or SIGTERM would cut the removal short
                 shutil.rmtree(staging, ignore_errors=True)
+                if lock is not None:
+                    os.close(lock)
+
+
+def lock_folder(folder: Path) -> int | None:
+    """An open descriptor of `folder` holding its lock (flock: it goes with the process however it ends), or None
+    where there are no locks (the folder is then never taken for abandoned)."""
+    if fcntl is None:
+        return None
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def remove_abandoned_staging(destination: Path, prefix: str) -> int:
+    """staging_folder's folders `PREFIX` + 8 characters + `.tmp` in `destination` whose writer is gone (nobody
+    holds the lock: a kill -9, a power loss), removed. Returns how many. (A folder is unlocked for the few
+    microseconds between its creation and its lock: a writer starting then, on the same OUT, would lose it.)"""
+    names = re.compile(re.escape(prefix) + r"[a-z0-9_]{8}\.tmp")  # tempfile.mkdtemp's 8 characters
+    removed = 0
+    for folder in destination.iterdir() if fcntl is not None and destination.is_dir() else ():
+        if not (names.fullmatch(folder.name) and folder.is_dir() and not folder.is_symlink()):
+            continue
+        try:
+            descriptor = os.open(folder, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer is at work
+            shutil.rmtree(folder)
+            removed += 1
+        except OSError:  # held, no locks here, or not ours to remove: leave it
+            pass
+        finally:
+            os.close(descriptor)
+    return removed
 
 
 @contextlib.contextmanager

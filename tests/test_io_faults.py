@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+import export
 import predict
 import weights
 from sapiens2_app import dfine, safe_io
@@ -45,14 +46,14 @@ def error_lines(err: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 # export.py
 # ----------------------------------------------------------------------------------------------------
-# One child process, four exports of a tiny seg model, each reported as `=== CASE rc` on stderr after its own
+# One child process, five exports of a tiny seg model, each reported as `=== CASE rc` on stderr after its own
 # messages. Ctrl-C and SIGTERM land while the ONNX exporter imports torch._dynamo (in a tiny export, ~2 s of 5:
 # where a real Ctrl-C lands most often); there the exporter turns the KeyboardInterrupt into a TorchExportError
 # of its own. The failed import leaves torch._dynamo unimported, so the second stop lands at the same point. Then
 # files over 100 kB cannot be written (the artifacts are ~0.8 MB): ONNX writes through Python, torch.export
-# through its C++ zip writer.
+# through its C++ zip writer. Last, a writer that stops for good once half a file is staged, for a kill -9.
 EXPORT_DRIVER = r"""
-import os, resource, signal, sys
+import os, resource, signal, sys, time
 import export
 
 stop = {"signal": None}
@@ -63,13 +64,21 @@ class StopDuringImport:  # a meta path finder: sends the signal when torch._dyna
             os.kill(os.getpid(), stop["signal"])
         return None
 
+def write_then_hang(wrapper, example, path, dynamic_batch, info):
+    path.write_bytes(b"half an artifact")
+    print("hanging", flush=True)
+    time.sleep(600)
+
 sys.meta_path.insert(0, StopDuringImport())
 model, out = sys.argv[1], sys.argv[2]
 for case, fmt, signum in (("ctrl-c", "onnx", signal.SIGINT), ("sigterm", "onnx", signal.SIGTERM),
-                          ("full-onnx", "onnx", None), ("full-torch-export", "torch-export", None)):
+                          ("full-onnx", "onnx", None), ("full-torch-export", "torch-export", None),
+                          ("killed", "torch-export", None)):
     stop["signal"] = signum
-    if signum is None:
+    if case.startswith("full"):
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+    if case == "killed":
+        export.WRITERS["torch-export"] = (write_then_hang, None)
     try:
         rc = export.main(["seg", "--model", model, "-o", out + (".onnx" if fmt == "onnx" else ".pt2"),
                           "--format", fmt])
@@ -92,17 +101,26 @@ def cases_of(err: str) -> dict[str, tuple[str, list[str]]]:
     return cases
 
 
-def test_export_interrupted_or_out_of_space_says_one_line_and_leaves_nothing(tmp_path):
+def test_export_interrupted_out_of_space_or_killed_leaves_nothing(tmp_path, capsys):
+    """Ctrl-C: 130, SIGTERM: 143, a full disk: 1, each in one line without a traceback; no staging folder left,
+    the earlier files at -o untouched. After a kill -9, the next export of that name removes its staging folder."""
     torch.manual_seed(0)
     model = weights.save(tiny_export_model("seg"), tmp_path / "seg.safetensors")
     out = tmp_path / "out"
     out.mkdir()
     for suffix in (".onnx", ".pt2"):  # an earlier export of the same name
         (out / f"model{suffix}").write_bytes(b"earlier")
-    child = subprocess.run([sys.executable, "-c", EXPORT_DRIVER, str(model), str(out / "model")], cwd=ROOT,
-                           env=CHILD_ENV, capture_output=True, text=True, timeout=300)
-    cases = cases_of(child.stderr)
-    assert child.returncode == 0 and len(cases) == 4, child.stderr[-3000:]  # -6: C++ abort in the fourth case
+    child = subprocess.Popen([sys.executable, "-c", EXPORT_DRIVER, str(model), str(out / "model")], cwd=ROOT,
+                             env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        hanging = child.stdout.readline() == "hanging\n"  # the fifth case (empty: the child died before it)
+        staged = hidden(out)
+        busy = safe_io.remove_abandoned_staging(out, ".model.pt2.")  # its writer still runs: kept
+    finally:
+        child.kill()  # SIGKILL: no cleanup of any kind
+        _, err = child.communicate()
+    cases = cases_of(err)
+    assert hanging and len(cases) == 4, err[-3000:]  # -6: C++ abort in the fourth case
     for case, (rc, lines) in cases.items():
         assert "Traceback" not in "\n".join(lines), f"{case}:\n" + "\n".join(lines)[-3000:]
         said = [line for line in lines if line.strip() and not line.startswith("exporting seg")]
@@ -114,8 +132,14 @@ def test_export_interrupted_or_out_of_space_says_one_line_and_leaves_nothing(tmp
         assert rc == "1" and lines[-1] == (f"error: -o {out / ('model' + suffix)}: writing the artifact failed: "
                                            "File too large (EFBIG); nothing was written; the earlier file there "
                                            "is unchanged; free some space or choose another location"), lines
-    assert hidden(out) == []  # no .model.onnx.XXXX.tmp staging folder
     assert all((out / f"model{suffix}").read_bytes() == b"earlier" for suffix in (".onnx", ".pt2"))
+    # only the killed export's staging folder, which the next export removes
+    assert len(staged) == 1 and staged[0].startswith(".model.pt2.") and staged[0].endswith(".tmp") and busy == 0
+    assert export.main(["seg", "--model", str(model), "-o", str(out / "model.pt2"), "--format", "torch-export"]) == 0
+    err = capsys.readouterr().err
+    assert (f"note: removed 1 staging folder (.model.pt2.XXXXXXXX.tmp) that an export killed earlier left in {out}"
+            in err.splitlines()), err
+    assert hidden(out) == [] and (out / "model.pt2").read_bytes() != b"earlier"
 
 
 def test_a_second_signal_during_the_staging_cleanup_still_removes_it(tmp_path, monkeypatch):
