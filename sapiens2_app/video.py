@@ -160,18 +160,21 @@ class VideoWriter:
 
     def close(self, keep: bool = True):
         """Flush and rename (keep), or drop the partial file."""
-        if self.container is None:
+        if self.lock is None:  # no frame came: no file
             return
-        if keep:
-            self.container.mux(self.stream.encode(None))
-        self.container.close()
         try:
+            if self.container is None:  # FFmpeg could not open it
+                self.partial.unlink(missing_ok=True)
+                return
+            if keep:
+                self.container.mux(self.stream.encode(None))
+            self.container.close()
             if keep:
                 self.partial.replace(self.path)
             else:
                 self.partial.unlink(missing_ok=True)
         finally:
-            self.lock.close()
+            self.lock.close()  # (a partial file left by an error is unlocked now: --skip-existing removes it)
 
 
 class OverlayVideos:
@@ -323,9 +326,9 @@ class VideoRun:
             warnings.append(f"warning: {self.clip.path}: --start {selection.start} is past its last frame (it has "
                             f"{self.decoded}): no frame of it was processed")
         if keys := frame_keys_past_the_end(self.pipeline.inference.boxes, self.clip, self.decoded):
-            warnings.append(f"warning: --boxes: {', '.join(map(repr, keys[:3]))}{', ...' if len(keys) > 3 else ''} "
-                            f"{'match' if len(keys) > 1 else 'matches'} no frame: {self.clip.path} has {self.decoded} (#0 to "
-                            f"#{self.decoded - 1})")
+            named = ", ".join(map(repr, keys[:3])) + (", ..." if len(keys) > 3 else "")
+            warnings.append(f"warning: --boxes: {named} {'match' if len(keys) > 1 else 'matches'} no frame: "
+                            f"{self.clip.path} has {self.decoded} (#0 to #{self.decoded - 1})")
         return warnings
 
     def flush(self, pending: list):
