@@ -44,6 +44,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import warnings
@@ -265,8 +266,10 @@ def export_torch(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
 
 
 def through_python_file(path: Path, write):
-    """write(file) into `path` through a WriteErrorKept, whose kept error is raised once the writer is done."""
-    with open(path, "wb") as file:
+    """write(file) into `path` through a WriteErrorKept, whose kept error is raised once the writer is done.
+    Ctrl-C and SIGTERM wait for the writer (as they do for one that writes from C++ alone): raised in the Python
+    callback, they would abort the process as an error does."""
+    with open(path, "wb") as file, safe_io.signals_deferred():
         kept = WriteErrorKept(file)
         write(kept)
     if kept.error is not None:
@@ -313,9 +316,16 @@ def export_aoti(wrapper, example, path: Path, dynamic_batch: bool, info: dict):
     program = export_program(wrapper, example, dynamic_batch)
     # Inductor fuses elementwise chains and by default rounds a bf16 chain once at its end; the bf16 RoPE
     # convention is the rounding after every op, which emulate_precision_casts keeps.
+    # NOTE: packaged by torch's C++ writer where Inductor compiles (its cache folder), then copied into place by
+    # Python, whose write errors are plain OSErrors: through_python_file would hold Ctrl-C back for the whole
+    # compile (minutes).
     with torch.no_grad():
-        through_python_file(path, lambda file: torch._inductor.aoti_compile_and_package(
-            program, package_path=file, inductor_configs={"emulate_precision_casts": True}))
+        built = Path(torch._inductor.aoti_compile_and_package(program, inductor_configs={"emulate_precision_casts":
+                                                                                           True}))
+    try:
+        shutil.copyfile(built, path)
+    finally:
+        built.unlink(missing_ok=True)
 
 
 def run_aoti(path: Path, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -49,12 +49,13 @@ def error_lines(err: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 # export.py
 # ----------------------------------------------------------------------------------------------------
-# One child process, five exports of a tiny seg model, each reported as `=== CASE rc` on stderr after its own
+# One child process, six exports of a tiny seg model, each reported as `=== CASE rc` on stderr after its own
 # messages. Ctrl-C and SIGTERM land while the ONNX exporter imports torch._dynamo (in a tiny export, ~2 s of 5:
 # where a real Ctrl-C lands most often); there the exporter turns the KeyboardInterrupt into a TorchExportError
-# of its own. The failed import leaves torch._dynamo unimported, so the second stop lands at the same point. Then
-# files over 100 kB cannot be written (the artifacts are ~0.8 MB): ONNX writes through Python, torch.export
-# through its C++ zip writer. Last, a writer that stops for good once half a file is staged, for a kill -9.
+# of its own. The failed import leaves torch._dynamo unimported, so the second stop lands at the same point. A
+# Ctrl-C while torch.export's C++ zip writer calls back into Python. Then files over 100 kB cannot be written
+# (the artifacts are ~0.8 MB): ONNX writes through Python, torch.export through its C++ zip writer. Last, a
+# writer that stops for good once half a file is staged, for a kill -9.
 EXPORT_DRIVER = r"""
 import os, resource, signal, sys, time
 import export
@@ -67,17 +68,26 @@ class StopDuringImport:  # a meta path finder: sends the signal when torch._dyna
             os.kill(os.getpid(), stop["signal"])
         return None
 
+real_write = export.WriteErrorKept.write
+
+def ctrl_c_then_write(self, data):  # at the third write: the first ones come back to Python in between
+    stop["writes"] += 1
+    if stop["while saving"] and stop["writes"] == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_write(self, data)
+
 def write_then_hang(wrapper, example, path, dynamic_batch, info):
     path.write_bytes(b"half an artifact")
     print("hanging", flush=True)
     time.sleep(600)
 
 sys.meta_path.insert(0, StopDuringImport())
+export.WriteErrorKept.write = ctrl_c_then_write
 model, out = sys.argv[1], sys.argv[2]
 for case, fmt, signum in (("ctrl-c", "onnx", signal.SIGINT), ("sigterm", "onnx", signal.SIGTERM),
-                          ("full-onnx", "onnx", None), ("full-torch-export", "torch-export", None),
-                          ("killed", "torch-export", None)):
-    stop["signal"] = signum
+                          ("ctrl-c-saving", "torch-export", None), ("full-onnx", "onnx", None),
+                          ("full-torch-export", "torch-export", None), ("killed", "torch-export", None)):
+    stop["signal"], stop["while saving"], stop["writes"] = signum, case == "ctrl-c-saving", 0
     if case.startswith("full"):
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
     if case == "killed":
@@ -123,13 +133,14 @@ def test_export_interrupted_out_of_space_or_killed_leaves_nothing(tmp_path, caps
         child.kill()  # SIGKILL: no cleanup of any kind
         _, err = child.communicate()
     cases = cases_of(err)
-    assert hanging and len(cases) == 4, err[-3000:]  # -6: C++ abort in the fourth case
+    assert hanging and len(cases) == 5, err[-3000:]  # -6: a C++ abort
     for case, (rc, lines) in cases.items():
         assert "Traceback" not in "\n".join(lines), f"{case}:\n" + "\n".join(lines)[-3000:]
         said = [line for line in lines if line.strip() and not line.startswith("exporting seg")]
         assert len(said) == 1, f"{case}: {said}"
     assert cases["ctrl-c"][0] == "130" and cases["ctrl-c"][1][-1].startswith("interrupted: the export did not")
     assert cases["sigterm"][0] == "143" and cases["sigterm"][1][-1].startswith("terminated: the export did not")
+    assert cases["ctrl-c-saving"][0] == "130" and cases["ctrl-c-saving"][1][-1].startswith("interrupted: the export")
     for case, suffix in (("full-onnx", ".onnx"), ("full-torch-export", ".pt2")):
         rc, lines = cases[case]
         assert rc == "1" and lines[-1] == (f"error: -o {out / ('model' + suffix)}: writing the artifact failed: "
