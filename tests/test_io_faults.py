@@ -57,7 +57,7 @@ def error_lines(err: str) -> list[str]:
 # (the artifacts are ~0.8 MB): ONNX writes through Python, torch.export through its C++ zip writer. Last, a
 # writer that stops for good once half a file is staged, for a kill -9.
 EXPORT_DRIVER = r"""
-import os, resource, signal, sys, time
+import os, resource, signal, sys, time, traceback
 import export
 
 stop = {"signal": None}
@@ -96,7 +96,7 @@ for case, fmt, signum in (("ctrl-c", "onnx", signal.SIGINT), ("sigterm", "onnx",
         rc = export.main(["seg", "--model", model, "-o", out + (".onnx" if fmt == "onnx" else ".pt2"),
                           "--format", fmt])
     except BaseException as error:
-        import traceback; traceback.print_exc()
+        traceback.print_exc()
         rc = "raised " + type(error).__name__
     print(f"=== {case} {rc}", file=sys.stderr, flush=True)
 """
@@ -115,8 +115,9 @@ def cases_of(err: str) -> dict[str, tuple[str, list[str]]]:
 
 
 def test_export_interrupted_out_of_space_or_killed_leaves_nothing(tmp_path, capsys):
-    """Ctrl-C: 130, SIGTERM: 143, a full disk: 1, each in one line without a traceback; no staging folder left,
-    the earlier files at -o untouched. After a kill -9, the next export of that name removes its staging folder."""
+    """Ctrl-C (in the exporter or while the file is saved): 130, SIGTERM: 143, a full disk: 1, each in one line
+    without a traceback; no staging folder left, the earlier files at -o untouched. After a kill -9, the next
+    export of that name removes its staging folder."""
     torch.manual_seed(0)
     model = weights.save(tiny_export_model("seg"), tmp_path / "seg.safetensors")
     out = tmp_path / "out"
@@ -126,7 +127,7 @@ def test_export_interrupted_out_of_space_or_killed_leaves_nothing(tmp_path, caps
     child = subprocess.Popen([sys.executable, "-c", EXPORT_DRIVER, str(model), str(out / "model")], cwd=ROOT,
                              env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        hanging = child.stdout.readline() == "hanging\n"  # the fifth case (empty: the child died before it)
+        hanging = child.stdout.readline() == "hanging\n"  # the last case (empty: the child died before it)
         staged = hidden(out)
         busy = safe_io.remove_abandoned_staging(out, ".model.pt2.")  # its writer still runs: kept
     finally:
