@@ -300,6 +300,7 @@ def test_skip_existing_after_kill_9_removes_the_overlay_temporaries_at_once(chec
         assert child.stdout.readline() == "hanging\n", child.stderr.read()
         temporaries = [p.name for p in out.iterdir() if p.name.endswith(".partial")]
         assert len(temporaries) == 1 and temporaries[0].startswith(".clip.seg_overlay.mp4.")
+        assert safe_io.remove_stale_temporaries(out) == 0  # its writer runs (and holds the lock): kept
     finally:
         child.kill()  # SIGKILL: no cleanup of any kind
         child.communicate()
