@@ -1,8 +1,11 @@
 """Validation metrics of the six tasks: each task's sums over a validation set in one float64 vector (processes add
-theirs with one all_reduce), then the numbers (PCK and OKS AP, mIoU and pixel accuracy, angular errors, AbsRel and
-delta, SAD and MSE, PSNR)."""
+theirs with one all_reduce), then the numbers (PCK and OKS AP for pose; for the dense tasks the original evaluators'
+metrics, with their names and in their order: facebookresearch/sapiens2 sapiens/dense/src/evaluators/ and the later
+upstream matting evaluator, docs/training.md#metrics-on-val; extra metrics after them)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,13 @@ import processing
 from sapiens2_app.augmentation import apply_affine
 from sapiens2_app.dataset_files import IGNORE
 
-ANGLE_BINS = 1800  # 0.1 degree bins for the median angular error
+# The original NormalEvaluator's and PointmapEvaluator's defaults (what every released config uses).
+ANGLE_THRESHOLDS = (5.0, 11.25, 22.5, 30.0)  # degrees: within_5_0_deg ... within_30_0_deg
+DISTANCE_THRESHOLDS = (0.05, 0.10, 0.20)  # canonical-camera metres: within_05_cm, within_10_cm, within_20_cm
+ANGLE_BIN = 0.5  # degrees: the median angular error is the centre of the 0.5-degree bin holding the middle pixel
+ANGLE_BINS = 360  # up to 180 degrees
+NORMAL_SUMS = 3 + len(ANGLE_THRESHOLDS) + ANGLE_BINS  # sum angle, sum angle^2, pixels, counts below, histogram
+POINTMAP_SUMS = 8 + len(DISTANCE_THRESHOLDS) + len(ANGLE_THRESHOLDS)  # the original's vector
 
 
 class Metric:
@@ -19,8 +28,8 @@ class Metric:
 
     def __init__(self, task: str, info: dict):
         self.task, self.info = task, info
-        size = {"pose": 5, "seg": info["out_channels"] ** 2, "normal": 5 + ANGLE_BINS, "pointmap": 3,
-                "matting": 4, "albedo": 2}[task]
+        size = {"pose": 5, "seg": info["out_channels"] ** 2, "normal": NORMAL_SUMS,
+                "pointmap": POINTMAP_SUMS + 3, "matting": 4 + 3, "albedo": 7}[task]
         self.sums = torch.zeros(size, dtype=torch.float64)
 
     def update(self, output, batch: dict, valid: torch.Tensor):
@@ -58,40 +67,70 @@ class Metric:
         self.sums += torch.bincount(pairs, minlength=classes * classes).double()
 
     def update_normal(self, output, batch, valid):
-        cosine = F.cosine_similarity(output.normals.float().cpu(), batch["labels"], dim=1, eps=1e-6)
-        angle = torch.rad2deg(torch.acos(cosine.clamp(-1, 1)))
-        keep = (batch["mask"][:, 0] > 0) & valid[:, None, None]
-        angle = angle[keep].double()
-        self.sums[0] += angle.sum()
-        self.sums[1] += angle.numel()
-        for i, limit in enumerate((11.25, 22.5, 30.0)):
-            self.sums[2 + i] += (angle < limit).sum()
-        self.sums[5:] += torch.histc(angle, ANGLE_BINS, 0, 180)
+        """The original NormalEvaluator.process: the angle between the unit vectors of every valid pixel (pooled
+        over the set), its square, the counts below each threshold and a 0.5-degree histogram (for the median)."""
+        angle = angle_degrees(unit_vectors(output.normals.float().cpu()), unit_vectors(batch["labels"].float()))
+        angle = angle[(batch["mask"][:, 0] > 0) & valid[:, None, None]]
+        self.sums += angle_sums(angle)
 
     def update_pointmap(self, output, batch, valid):
-        depth = (output.pointmaps[:, 2].float().cpu() / output.scales.float().cpu().view(-1, 1, 1))
-        truth = batch["labels"][:, 2] / batch["scales"].view(-1, 1, 1)
-        keep = (batch["mask"][:, 0] > 0) & (truth > 0) & valid[:, None, None]
-        depth, truth = depth[keep].double(), truth[keep].double()
-        self.sums[0] += ((depth - truth).abs() / truth).sum()
-        ratio = torch.maximum(depth / truth, truth / depth.clamp(min=1e-9))
-        self.sums[1] += (ratio < 1.25).sum()
-        self.sums[2] += keep.sum()
+        """The original PointmapEvaluator.process, on canonical XYZ (the model's output and the canonical target;
+        no scale or alignment): per valid pixel the L2 distance, the per-axis errors, and the angle between the
+        normals of the two maps (5x5 Sobel, as cv2, over the whole map); then depth AbsRel and delta < 1.25 in
+        metric units (Z / scale) as extras."""
+        predicted, truth = output.pointmaps.float().cpu(), batch["labels"].float()
+        keep = (batch["mask"][:, 0] > 0) & valid[:, None, None]  # (B, H, W)
+        error = (predicted - truth).movedim(1, -1)[keep]  # (N, 3)
+        distance = error.norm(dim=-1)
+        angle = angle_degrees(sobel_normals(predicted), sobel_normals(truth))[keep]
+        distance64, angle64 = distance.double(), angle.double()
+        self.sums[:POINTMAP_SUMS] += torch.cat([
+            torch.stack([distance64.sum(), *error.abs().double().sum(0), distance64.square().sum(),
+                         angle64.sum(), angle64.square().sum(), torch.tensor(float(len(distance)))]),
+            torch.stack([(distance < t).sum() for t in DISTANCE_THRESHOLDS]).double(),
+            torch.stack([(angle < t).sum() for t in ANGLE_THRESHOLDS]).double()])
+        depth = predicted[:, 2] / output.scales.float().cpu().view(-1, 1, 1)
+        true_depth = truth[:, 2] / batch["scales"].view(-1, 1, 1)
+        metric_keep = keep & (true_depth > 0)
+        depth, true_depth = depth[metric_keep].double(), true_depth[metric_keep].double()
+        ratio = torch.maximum(depth / true_depth, true_depth / depth.clamp(min=1e-9))
+        self.sums[POINTMAP_SUMS:] += torch.stack([((depth - true_depth).abs() / true_depth).sum(),
+                                                  (ratio < 1.25).sum().double(), torch.tensor(float(len(depth)))])
 
     def update_matting(self, output, batch, valid):
-        error = (output.alphas.float().cpu() - batch["labels"])[valid].double()
-        self.sums[0] += error.abs().sum() / 1000  # SAD is reported in thousands, per image
-        self.sums[1] += error.square().sum()
-        self.sums[2] += error.numel()
-        self.sums[3] += valid.sum()
+        """The upstream MattingEvaluator.process: alpha L1 over every pixel; foreground L1 (mean over RGB per
+        pixel) over every pixel of the samples that have a ground-truth foreground; then SAD (per image, in
+        thousands) and MSE of alpha as extras."""
+        error = (output.alphas.float().cpu() - batch["labels"].float())[valid].double()  # (n, 1, H, W)
+        self.sums[0] += error.abs().sum()
+        self.sums[1] += error.numel()
+        foreground = batch.get("has_foreground")
+        if foreground is not None:
+            rows = valid & foreground.bool()
+            l1 = (output.foregrounds.float().cpu() - batch["foregrounds"].float())[rows].abs().mean(1)
+            self.sums[2] += l1.double().sum()
+            self.sums[3] += l1.numel()
+        self.sums[4] += error.abs().sum() / 1000
+        self.sums[5] += error.square().sum()
+        self.sums[6] += valid.sum()
 
     def update_albedo(self, output, batch, valid):
-        error = (output.albedo.float().cpu().clamp(0, 1) - batch["labels"]) ** 2 * batch["mask"]
-        for i in range(len(valid)):
-            if valid[i] and batch["mask"][i].sum() > 0:
-                mse = error[i].sum() / (3 * batch["mask"][i].sum())
-                self.sums[0] += 10 * torch.log10(1 / mse.double().clamp(min=1e-10))
-                self.sums[1] += 1
+        """The original AlbedoEvaluator.process on the raw (unclamped) prediction: per valid pixel the absolute and
+        squared errors averaged over RGB, the L1 of forward differences over pairs of valid pixels, and the masked
+        SSIM (11x11 Gaussian window, sigma 1.5) over windows at least half inside the mask."""
+        predicted, truth = output.albedo.float().cpu(), batch["labels"].float()
+        mask = (batch["mask"][:, 0] > 0) & valid[:, None, None]  # (B, H, W)
+        error = predicted - truth
+        grad_sum, grad_count = 0.0, 0.0
+        for dim in (-1, -2):  # horizontal, vertical pairs
+            n = predicted.shape[dim]
+            pair = mask.narrow(dim, 1, n - 1) & mask.narrow(dim, 0, n - 1)
+            step = (error.narrow(dim, 1, n - 1) - error.narrow(dim, 0, n - 1)).abs().mean(1)
+            grad_sum, grad_count = grad_sum + step[pair].double().sum(), grad_count + pair.sum()
+        ssim_sum, ssim_count = masked_ssim_sums(predicted, truth, mask)
+        self.sums += torch.stack([error.abs().mean(1)[mask].double().sum(), error.square().mean(1)[mask].double().sum(),
+                                  mask.sum().double(), torch.as_tensor(grad_sum, dtype=torch.float64),
+                                  torch.as_tensor(grad_count, dtype=torch.float64), ssim_sum, ssim_count])
 
     def result(self) -> dict:
         s = self.sums
@@ -101,26 +140,138 @@ class Metric:
                 out["oks_ap"] = (s[2] / s[3].clamp(min=1)).item()
             return out
         if self.task == "seg":
-            confusion = s.view(self.info["out_channels"], -1)
-            union = confusion.sum(0) + confusion.sum(1) - confusion.diag()
-            present = union > 0
-            iou = confusion.diag()[present] / union[present]
-            return {"miou": iou.mean().item() if present.any() else 0.0,
-                    "pixel_accuracy": (confusion.diag().sum() / confusion.sum().clamp(min=1)).item()}
-        if self.task == "normal":
-            n = s[1].clamp(min=1)
-            cumulative = s[5:].cumsum(0)
-            median_bin = int((cumulative < s[1] / 2).sum())
-            return {"mean_angle": (s[0] / n).item(), "median_angle": (median_bin + 0.5) * 180 / ANGLE_BINS,
-                    "within_11.25": (s[2] / n).item(), "within_22.5": (s[3] / n).item(), "within_30": (s[4] / n).item()}
-        if self.task == "pointmap":
-            n = s[2].clamp(min=1)
-            return {"abs_rel": (s[0] / n).item(), "delta1.25": (s[1] / n).item()}
-        if self.task == "matting":
-            return {"sad": (s[0] / s[3].clamp(min=1)).item(), "mse": (s[1] / s[2].clamp(min=1)).item()}
-        return {"psnr": (s[0] / s[1].clamp(min=1)).item()}
+            return seg_metrics(s.view(self.info["out_channels"], -1))
+        return {"normal": normal_metrics, "pointmap": pointmap_metrics, "matting": matting_metrics,
+                "albedo": albedo_metrics}[self.task](s)
 
 
 # Which metric says "better" for the log summary (and the tests): name -> +1 higher is better, -1 lower.
-MAIN_METRIC = {"pose": ("pck@0.05", 1), "seg": ("miou", 1), "normal": ("mean_angle", -1),
-               "pointmap": ("abs_rel", -1), "matting": ("mse", -1), "albedo": ("psnr", 1)}
+MAIN_METRIC = {"pose": ("pck@0.05", 1), "seg": ("mIoU", 1), "normal": ("normal_mae", -1),
+               "pointmap": ("l2_mean", -1), "matting": ("l1_alpha", -1), "albedo": ("psnr", 1)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The dense tasks' numbers, as the original evaluators compute them from the same sums
+# ----------------------------------------------------------------------------------------------------
+def seg_metrics(confusion: torch.Tensor) -> dict:
+    """The original SegEvaluator (iou_metrics ["mIoU"], nan_to_num=0 as every seg config sets it): intersection,
+    union and label areas summed over the whole set, then per class; a class absent from both the labels and the
+    predictions counts as IoU 0 (and one absent from the labels as accuracy 0) in the mean over ALL classes. In
+    percent, rounded to 2 decimals as the original reports them. confusion: (C, C), rows = label, columns =
+    prediction."""
+    intersect, label, predicted = confusion.diag(), confusion.sum(1), confusion.sum(0)
+    union = predicted + label - intersect
+    ratio = lambda a, b: torch.nan_to_num(a / b, nan=0.0)  # noqa: E731  (0 / 0: an absent class)
+    percent = lambda x: round(float(x) * 100, 2)  # noqa: E731
+    return {"aAcc": percent(ratio(intersect.sum(), label.sum())), "mIoU": percent(ratio(intersect, union).mean()),
+            "mAcc": percent(ratio(intersect, label).mean())}
+
+
+def unit_vectors(x: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) divided by its length (at least 1e-6), as the original NormalEvaluator."""
+    return x / x.norm(dim=1, keepdim=True).clamp_min(1e-6)
+
+
+def angle_degrees(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) x2 unit vectors -> (B, H, W) angle in degrees (the cosine clamped to [-1, 1])."""
+    return torch.acos((a * b).sum(1).clamp(-1.0, 1.0)) * (180.0 / math.pi)
+
+
+def angle_sums(angle: torch.Tensor) -> torch.Tensor:
+    """The NormalEvaluator's vector for the angles of some pixels: sum, sum of squares, count, the counts below
+    each threshold, the histogram of 0.5-degree bins (the last bin takes 180)."""
+    bins = torch.floor(angle / ANGLE_BIN).long().clamp(0, ANGLE_BINS - 1)
+    angle = angle.double()
+    return torch.cat([torch.stack([angle.sum(), angle.square().sum(), torch.tensor(float(angle.numel()))]),
+                      torch.stack([(angle < t).sum() for t in ANGLE_THRESHOLDS]).double(),
+                      torch.bincount(bins, minlength=ANGLE_BINS).double()])
+
+
+def normal_metrics(s: torch.Tensor) -> dict:
+    """The original NormalEvaluator.evaluate: mean, median (centre of the histogram bin where the cumulative count
+    reaches half the pixels) and RMS angular error in degrees, and the % of pixels under each threshold."""
+    n = s[2].clamp(min=1)
+    thresholds = len(ANGLE_THRESHOLDS)
+    cumulative = s[3 + thresholds:].cumsum(0)
+    median_bin = min(int(torch.searchsorted(cumulative, 0.5 * s[2])), ANGLE_BINS - 1)
+    out = {"normal_mae": (s[0] / n).item(), "normal_median_deg": (median_bin + 0.5) * ANGLE_BIN,
+           "normal_rmse": (s[1] / n).sqrt().item()}
+    out.update({f"within_{str(t).replace('.', '_')}_deg": (s[3 + i] / n * 100).item()
+                for i, t in enumerate(ANGLE_THRESHOLDS)})
+    return out
+
+
+def sobel_normals(points: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) pointmap -> (B, 3, H, W) normals as the original PointmapEvaluator computes them: the cross
+    product of cv2.Sobel(ksize=5)'s derivatives along x and y, divided by its length + 1e-6. cv2's default border
+    (BORDER_REFLECT_101) mirrors without repeating the edge: F.pad "reflect".
+    NOTE: separable, the derivative as differences (2 (p[+1] - p[-1]) + p[+2] - p[-2]), as cv2 computes it: on the
+    border rows and columns the mirrored differences are then exactly 0, so is the normal there (a 5x5 convolution
+    leaves rounding noise that the division by |n| + 1e-6 blows up into an arbitrary direction)."""
+    padded = F.pad(points, (2, 2, 2, 2), mode="reflect")  # (B, 3, H + 4, W + 4)
+
+    def taps(x, dim):  # the 5 shifted views along dim, each of the output's length there
+        return [x.narrow(dim, offset, x.shape[dim] - 4) for offset in range(5)]
+
+    def derivative(x, dim):  # [-1, -2, 0, 2, 1]
+        a = taps(x, dim)
+        return 2 * (a[3] - a[1]) + (a[4] - a[0])
+
+    def smooth(x, dim):  # [1, 4, 6, 4, 1]
+        a = taps(x, dim)
+        return a[0] + 4 * a[1] + 6 * a[2] + 4 * a[3] + a[4]
+
+    along_x, along_y = smooth(derivative(padded, -1), -2), smooth(derivative(padded, -2), -1)  # (B, 3, H, W)
+    normal = torch.cross(along_x, along_y, dim=1)
+    return normal / (normal.norm(dim=1, keepdim=True) + 1e-6)
+
+
+def pointmap_metrics(s: torch.Tensor) -> dict:
+    """The original PointmapEvaluator.evaluate (canonical units: metres in the canonical camera; shares in [0, 1]),
+    then depth AbsRel and delta < 1.25 (metric depth, Z / scale) as extras."""
+    n = s[7].clamp(min=1)
+    out = {"l2_mean": s[0] / n, "x_mae": s[1] / n, "y_mae": s[2] / n, "z_mae": s[3] / n, "rmse": (s[4] / n).sqrt(),
+           "normal_mae": s[5] / n, "normal_rmse": (s[6] / n).sqrt()}
+    out.update({f"within_{int(t * 100):02d}_cm": s[8 + i] / n for i, t in enumerate(DISTANCE_THRESHOLDS)})
+    first = 8 + len(DISTANCE_THRESHOLDS)
+    out.update({f"within_{str(t).replace('.', '_')}_deg": s[first + i] / n for i, t in enumerate(ANGLE_THRESHOLDS)})
+    depth_pixels = s[POINTMAP_SUMS + 2].clamp(min=1)
+    out.update({"abs_rel": s[POINTMAP_SUMS] / depth_pixels, "delta1.25": s[POINTMAP_SUMS + 1] / depth_pixels})
+    return {k: v.item() for k, v in out.items()}
+
+
+def masked_ssim_sums(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, data_range: float = 1.0):
+    """The original AlbedoEvaluator._masked_ssim_sum over a batch: SSIM with an 11x11 Gaussian window (sigma 1.5)
+    whose statistics are weighted by the mask, averaged over RGB; (its sum over the windows at least half inside
+    the mask, their count). x, y: (B, 3, H, W); mask: (B, H, W) bool. data_range 1: train.py's albedo targets are
+    PNG / 255 (the original picks 255 only for targets above 1.5)."""
+    eps, c1, c2 = 1e-8, (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    axis = torch.arange(11, dtype=x.dtype) - 5.0
+    kernel = torch.exp(-(axis[None, :] ** 2 + axis[:, None] ** 2) / (2 * 1.5**2))
+    kernel = (kernel / kernel.sum()).view(1, 1, 11, 11)
+    channels = x.shape[1]
+    m = mask[:, None].to(x.dtype)  # (B, 1, H, W)
+    weight = F.conv2d(m, kernel, padding=5).clamp(min=eps)
+    local = lambda z: F.conv2d(z * m, kernel.repeat(channels, 1, 1, 1), padding=5, groups=channels) / weight  # noqa: E731
+    mu_x, mu_y = local(x), local(y)
+    var_x, var_y, cov = local(x * x) - mu_x * mu_x, local(y * y) - mu_y * mu_y, local(x * y) - mu_x * mu_y
+    ssim = ((2 * mu_x * mu_y + c1) * (2 * cov + c2) / ((mu_x * mu_x + mu_y * mu_y + c1) * (var_x + var_y + c2) + eps))
+    windows = weight[:, 0] > 0.5  # (B, H, W)
+    return ssim.mean(1)[windows].double().sum(), windows.sum().double()
+
+
+def albedo_metrics(s: torch.Tensor) -> dict:
+    """The original AlbedoEvaluator.evaluate: MAE and RMSE over the valid pixels of the whole set, PSNR of that
+    pooled MSE (data range 1), SSIM and gradient L1 averaged over their windows and pixel pairs."""
+    mse = (s[1] / s[2].clamp(min=1)).clamp_min(1e-12)
+    return {"mae": (s[0] / s[2].clamp(min=1)).item(), "rmse": mse.sqrt().item(), "psnr": (10 * torch.log10(1 / mse)).item(),
+            "ssim": (s[5] / s[6].clamp(min=1)).item(), "grad_l1": (s[3] / s[4].clamp(min=1)).item()}
+
+
+def matting_metrics(s: torch.Tensor) -> dict:
+    """The upstream MattingEvaluator.evaluate (l1_foreground only when some sample has a ground-truth foreground),
+    then SAD (per image, in thousands) and alpha MSE as extras."""
+    out = {"l1_alpha": (s[0] / s[1].clamp(min=1)).item()}
+    if s[3] > 0:
+        out["l1_foreground"] = (s[2] / s[3]).item()
+    return {**out, "sad": (s[4] / s[6].clamp(min=1)).item(), "mse": (s[5] / s[1].clamp(min=1)).item()}
