@@ -11,14 +11,18 @@ decimals by both."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import heads
-from sapiens2_app import metrics
+import losses
+from sapiens2_app import datasets, metrics
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import original_dense_evaluators as original  # noqa: E402
+import upstream_matting_losses as upstream  # noqa: E402
 
 REL = 1e-5
 
@@ -217,3 +221,52 @@ def test_matting_metrics_are_the_upstream_evaluators():
     # alpha-only data (no foreground files): no l1_foreground, as upstream
     alpha_only = [(o, {"labels": b["labels"]}, v) for o, b, v in batches]
     assert list(run_batches("matting", {"out_channels": 3}, alpha_only)) == ["l1_alpha", "sad", "mse"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Matting losses and targets (upstream commit e07a5f8)
+# ----------------------------------------------------------------------------------------------------
+def test_matting_loss_is_the_upstreams():
+    """L1 + Sobel gradient + Laplacian pyramid on alpha and on the masked foreground, value and gradients, on an
+    odd size (60x44: the pyramid crops odd levels to even) and with an empty foreground mask. The same fp32
+    operations in the same order: 1e-6."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 4, 60, 44, generator=generator)
+    alpha = torch.rand(2, 1, 60, 44, generator=generator)
+    foreground = torch.rand(2, 3, 60, 44, generator=generator) * alpha
+    for mask in ((torch.rand(2, 1, 60, 44, generator=generator) > 0.3).float(), torch.zeros(2, 1, 60, 44)):
+        ours_in, theirs_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        out = ours_in.sigmoid()
+        ours = losses.matting_loss(out[:, 3:], alpha, out[:, :3], foreground, mask)
+        theirs = upstream.head_loss(theirs_in.sigmoid(), alpha, foreground, mask.bool())
+        ours.backward()
+        theirs.backward()
+        assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+        torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-9)
+    alpha_only = losses.matting_loss(out[:, 3:], alpha)  # no foreground target: the alpha terms alone
+    expected = sum(term(out[:, 3:], alpha) for term in (upstream.l1_loss, upstream.grad_loss, upstream.lap_loss))
+    assert alpha_only.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_matting_targets_are_the_upstreams(tmp_path):
+    """train.py's matting samples: an RGBA matte gives the upstream's premultiplied 8-bit foreground, valid
+    everywhere; an alpha-only one the image's colours where opaque, valid where opaque or fully transparent."""
+    rng = np.random.default_rng(8)
+    for kind in ("rgba", "alpha"):
+        folder = tmp_path / kind
+        image = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        alpha = rng.choice([0, 17, 128, 254, 255], (32, 32)).astype(np.uint8)
+        for sub in ("images", "alphas"):
+            (folder / sub).mkdir(parents=True)
+        Image.fromarray(image).save(folder / "images" / "a.png")
+        rgba = np.dstack([rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), alpha])
+        Image.fromarray(rgba if kind == "rgba" else alpha).save(folder / "alphas" / "a.png")
+        sample = datasets.DenseDataset("matting", folder, (32, 32), augment=False)[(0, 0)]
+        truth = torch.from_numpy(alpha.astype(np.float32) / 255)[None]
+        torch.testing.assert_close(sample["labels"], truth, rtol=0, atol=1e-6)  # network size = image size
+        fgr = upstream.premultiplied_foreground(rgba)[0] if kind == "rgba" else None
+        pixels = torch.from_numpy(image).permute(2, 0, 1).float()
+        expected, mask, known = upstream.pack_foreground_target(truth, pixels, fgr)
+        torch.testing.assert_close(sample["foregrounds"], expected, rtol=0, atol=1e-6)  # pixel_values round trip
+        assert torch.equal(sample["mask"].bool(), mask) and bool(sample["has_foreground"]) == known
+        assert 0 < mask.float().mean() < 1 if kind == "alpha" else mask.all()
