@@ -190,7 +190,8 @@ def sobel_gradients(x):
 
 
 def matting_gradient_loss(pred, target, mask=None):
-    """MattingGradLoss: mean of |‖∇P‖ - ‖∇T‖| * mask, ‖∇‖ = sqrt(gx^2 + gy^2 + 1e-6) of the Sobel gradients."""
+    """MattingGradLoss: mean of |‖∇P‖ - ‖∇T‖| * mask, ‖∇‖ = sqrt(gx^2 + gy^2 + 1e-6) of the Sobel
+    gradients."""
     magnitude = lambda x: torch.sqrt(sum(g.square() for g in sobel_gradients(x)) + 1e-6)  # noqa: E731
     error = (magnitude(pred) - magnitude(target)).abs()
     error = error if mask is None else error * mask

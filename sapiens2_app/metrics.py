@@ -81,21 +81,15 @@ class Metric:
         predicted, truth = output.pointmaps.float().cpu(), batch["labels"].float()
         keep = (batch["mask"][:, 0] > 0) & valid[:, None, None]  # (B, H, W)
         error = (predicted - truth).movedim(1, -1)[keep]  # (N, 3)
-        distance = error.norm(dim=-1)
         angle = angle_degrees(sobel_normals(predicted), sobel_normals(truth))[keep]
-        distance64, angle64 = distance.double(), angle.double()
-        self.sums[:POINTMAP_SUMS] += torch.cat([
-            torch.stack([distance64.sum(), *error.abs().double().sum(0), distance64.square().sum(),
-                         angle64.sum(), angle64.square().sum(), torch.tensor(float(len(distance)))]),
-            torch.stack([(distance < t).sum() for t in DISTANCE_THRESHOLDS]).double(),
-            torch.stack([(angle < t).sum() for t in ANGLE_THRESHOLDS]).double()])
-        depth = predicted[:, 2] / output.scales.float().cpu().view(-1, 1, 1)
+        self.sums[:POINTMAP_SUMS] += pointmap_sums(error, angle)
+        depth = predicted[:, 2] / output.scales.float().cpu().view(-1, 1, 1)  # metric depth: canonical / scale
         true_depth = truth[:, 2] / batch["scales"].view(-1, 1, 1)
         metric_keep = keep & (true_depth > 0)
         depth, true_depth = depth[metric_keep].double(), true_depth[metric_keep].double()
         ratio = torch.maximum(depth / true_depth, true_depth / depth.clamp(min=1e-9))
         self.sums[POINTMAP_SUMS:] += torch.stack([((depth - true_depth).abs() / true_depth).sum(),
-                                                  (ratio < 1.25).sum().double(), torch.tensor(float(len(depth)))])
+                                                  (ratio < 1.25).sum().double(), count(depth)])
 
     def update_matting(self, output, batch, valid):
         """The upstream MattingEvaluator.process: alpha L1 over every pixel; foreground L1 (mean over RGB per
@@ -128,8 +122,9 @@ class Metric:
             step = (error.narrow(dim, 1, n - 1) - error.narrow(dim, 0, n - 1)).abs().mean(1)
             grad_sum, grad_count = grad_sum + step[pair].double().sum(), grad_count + pair.sum()
         ssim_sum, ssim_count = masked_ssim_sums(predicted, truth, mask)
-        self.sums += torch.stack([error.abs().mean(1)[mask].double().sum(), error.square().mean(1)[mask].double().sum(),
-                                  mask.sum().double(), torch.as_tensor(grad_sum, dtype=torch.float64),
+        per_pixel = lambda x: x.mean(1)[mask].double().sum()  # noqa: E731  (mean over RGB, summed over pixels)
+        self.sums += torch.stack([per_pixel(error.abs()), per_pixel(error.square()), mask.sum().double(),
+                                  torch.as_tensor(grad_sum, dtype=torch.float64),
                                   torch.as_tensor(grad_count, dtype=torch.float64), ssim_sum, ssim_count])
 
     def result(self) -> dict:
@@ -182,9 +177,25 @@ def angle_sums(angle: torch.Tensor) -> torch.Tensor:
     each threshold, the histogram of 0.5-degree bins (the last bin takes 180)."""
     bins = torch.floor(angle / ANGLE_BIN).long().clamp(0, ANGLE_BINS - 1)
     angle = angle.double()
-    return torch.cat([torch.stack([angle.sum(), angle.square().sum(), torch.tensor(float(angle.numel()))]),
+    return torch.cat([torch.stack([angle.sum(), angle.square().sum(), count(angle)]),
                       torch.stack([(angle < t).sum() for t in ANGLE_THRESHOLDS]).double(),
                       torch.bincount(bins, minlength=ANGLE_BINS).double()])
+
+
+def count(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(x.numel()), dtype=torch.float64)
+
+
+def pointmap_sums(error: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """The PointmapEvaluator's vector for some pixels: error (N, 3) predicted - true XYZ, angle (N,) between their
+    normals -> sums of the distance, |x|, |y|, |z|, distance^2, angle, angle^2, the count, the counts under each
+    distance and each angle threshold."""
+    distance = error.norm(dim=-1)
+    distance64, angle64 = distance.double(), angle.double()
+    return torch.cat([torch.stack([distance64.sum(), *error.abs().double().sum(0), distance64.square().sum(),
+                                   angle64.sum(), angle64.square().sum(), count(distance)]),
+                      torch.stack([(distance < t).sum() for t in DISTANCE_THRESHOLDS]).double(),
+                      torch.stack([(angle < t).sum() for t in ANGLE_THRESHOLDS]).double()])
 
 
 def normal_metrics(s: torch.Tensor) -> dict:
@@ -252,7 +263,8 @@ def masked_ssim_sums(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, data_
     channels = x.shape[1]
     m = mask[:, None].to(x.dtype)  # (B, 1, H, W)
     weight = F.conv2d(m, kernel, padding=5).clamp(min=eps)
-    local = lambda z: F.conv2d(z * m, kernel.repeat(channels, 1, 1, 1), padding=5, groups=channels) / weight  # noqa: E731
+    window = kernel.repeat(channels, 1, 1, 1)  # one per channel (grouped)
+    local = lambda z: F.conv2d(z * m, window, padding=5, groups=channels) / weight  # noqa: E731  (masked mean)
     mu_x, mu_y = local(x), local(y)
     var_x, var_y, cov = local(x * x) - mu_x * mu_x, local(y * y) - mu_y * mu_y, local(x * y) - mu_x * mu_y
     ssim = ((2 * mu_x * mu_y + c1) * (2 * cov + c2) / ((mu_x * mu_x + mu_y * mu_y + c1) * (var_x + var_y + c2) + eps))
@@ -264,7 +276,8 @@ def albedo_metrics(s: torch.Tensor) -> dict:
     """The original AlbedoEvaluator.evaluate: MAE and RMSE over the valid pixels of the whole set, PSNR of that
     pooled MSE (data range 1), SSIM and gradient L1 averaged over their windows and pixel pairs."""
     mse = (s[1] / s[2].clamp(min=1)).clamp_min(1e-12)
-    return {"mae": (s[0] / s[2].clamp(min=1)).item(), "rmse": mse.sqrt().item(), "psnr": (10 * torch.log10(1 / mse)).item(),
+    return {"mae": (s[0] / s[2].clamp(min=1)).item(), "rmse": mse.sqrt().item(),
+            "psnr": (10 * torch.log10(1 / mse)).item(),
             "ssim": (s[5] / s[6].clamp(min=1)).item(), "grad_l1": (s[3] / s[4].clamp(min=1)).item()}
 
 
