@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from sapiens2_app import datasets, distributed, optimization, starting_model, tr
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
-from sapiens2_app.metrics import Metric
+from sapiens2_app.metrics import Metric, dense_metric_names
 from sapiens2_app.models import RANDOM_INIT
 from sapiens2_app.reporting import Progress
 from sapiens2_app.train_checkpoints import STATE_FILE, read_state, stored
@@ -67,7 +68,8 @@ RECIPE_HELP = (
 # Command line
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0], epilog=RECIPE_HELP,
+    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0],
+                           epilog=RECIPE_HELP + metrics_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     whole = lambda low: number_in(int, low)  # noqa: E731
     p.add_argument("task", choices=heads.TASKS)
@@ -132,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-backbone", choices=list(PRESETS),
                    help="backbone size of a random start (default: the size --model names, else 0.4b)")
     return p
+
+
+def metrics_help() -> str:
+    """--help's list of the dense tasks' validation metrics (docs/training.md#metrics-on-val says what each is)."""
+    names = "\n".join(textwrap.fill(f"{task}: {', '.join(dense_metric_names(task))}", 110, initial_indent="  ",
+                                     subsequent_indent="    ") for task in heads.TASKS if task != "pose")
+    return ('\n\nvalidation metrics (log.jsonl "eval"), the original evaluators\' names and numbers first, extras '
+            f"after:\n{names}")
 
 
 def parse_head(text: str) -> list[list[int]]:

@@ -145,6 +145,15 @@ MAIN_METRIC = {"pose": ("pck@0.05", 1), "seg": ("mIoU", 1), "normal": ("normal_m
                "pointmap": ("l2_mean", -1), "matting": ("l1_alpha", -1), "albedo": ("psnr", 1)}
 
 
+def dense_metric_names(task: str) -> list[str]:
+    """The names a dense task's evaluation logs, in order (read off the functions below, on empty sums; matting's
+    l1_foreground appears only when some validation matte has a foreground)."""
+    metric = Metric(task, {"out_channels": 1})
+    if task == "matting":
+        metric.sums[3] = 1
+    return list(metric.result())
+
+
 # ----------------------------------------------------------------------------------------------------
 # The dense tasks' numbers, as the original evaluators compute them from the same sums
 # ----------------------------------------------------------------------------------------------------

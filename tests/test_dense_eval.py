@@ -18,6 +18,7 @@ from PIL import Image
 
 import heads
 import losses
+import train
 from sapiens2_app import datasets, metrics
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
@@ -270,3 +271,12 @@ def test_matting_targets_are_the_upstreams(tmp_path):
         torch.testing.assert_close(sample["foregrounds"], expected, rtol=0, atol=1e-6)  # pixel_values round trip
         assert torch.equal(sample["mask"].bool(), mask) and bool(sample["has_foreground"]) == known
         assert 0 < mask.float().mean() < 1 if kind == "alpha" else mask.all()
+
+
+def test_train_help_lists_the_original_metric_names(capsys):
+    """train.py --help names each dense task's metrics as the evaluators log them."""
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "seg: aAcc, mIoU, mAcc" in text and "matting: l1_alpha, l1_foreground, sad, mse" in text
+    assert "albedo: mae, rmse, psnr, ssim, grad_l1" in text and "within_30_0_deg, abs_rel, delta1.25" in text
