@@ -35,7 +35,7 @@ import torch
 import heads
 import processing
 from sapiens2 import PRESETS
-from sapiens2_app import datasets, distributed, optimization, starting_model, train_checkpoints
+from sapiens2_app import dataset_files, datasets, distributed, optimization, starting_model, train_checkpoints
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
@@ -266,6 +266,8 @@ class Run:
                              "(torchrun --nproc-per-node N train.py ...)")
         processing.check_data_files()  # an incomplete installation stops here, before the data and the model
         self.info = datasets.dataset_info(args.task, Path(args.data))
+        if args.task == "pose" and (warning := dataset_files.inferred_pairs_warning(self.info)):
+            self.note(warning)  # a set of its own without flip_pairs: say what the name rule paired
         model, self.random = starting_model.build_model(args, self.info, self.note)
         saved = read_state(self.out) if args.resume else {}
         if self.random or saved.get("info", {}).get("random_start"):  # config.json's sapiens2_training says so
