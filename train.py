@@ -39,7 +39,7 @@ from sapiens2_app import dataset_files, datasets, distributed, optimization, sta
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
-from sapiens2_app.metrics import Metric
+from sapiens2_app.metrics import Metric, PoseEvaluation
 from sapiens2_app.models import RANDOM_INIT
 from sapiens2_app.reporting import Progress
 from sapiens2_app.train_checkpoints import STATE_FILE, read_state, stored
@@ -231,14 +231,17 @@ def forward_loss(model, batch: dict, task: str):
 def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
     model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     model.eval()
-    metric = Metric(args.task, info)
+    pose = args.task == "pose"
+    metric = PoseEvaluation(info, dataset.people) if pose else Metric(args.task, info)
     rows = list(eval_batches(len(dataset), args.batch_size, dist_info))
     loader = data_loader(dataset, [[(i, 0) for i in indices] for indices, _ in rows], args.workers)
     with Batches(loader) as batches:
-        for (_, valid), batch in zip(rows, batches):
+        for (indices, valid), batch in zip(rows, batches):
+            pixels = batch["pixel_values"].to(dist_info.device)
             with autocast(args, dist_info.device):
-                output = model(batch["pixel_values"].to(dist_info.device))
-            metric.update(output, batch, valid)
+                # pose: the original's val_cfg flip_test=True, the mean of the crop's heatmaps and its mirror's
+                output = model.flip_test(pixels) if pose else model(pixels)
+            metric.update(output, batch, valid, indices) if pose else metric.update(output, batch, valid)
     metric.sums = dist_info.all_reduce(metric.sums)
     model.train()
     return metric.result()
