@@ -295,6 +295,17 @@ def test_pck_is_averaged_per_keypoint_as_the_original():
     assert abs(mean - pooled[np.arange(30) != 7].sum() / visible[np.arange(30) != 7].sum()) > 0.01
 
 
+class FakeProcess:
+    """Rank `rank` of 2 on the CPU; its all_reduce adds the other rank's tensor (`other`) to its own."""
+
+    def __init__(self, rank: int, other):
+        self.rank, self.world, self.device, self.other, self.reduced = rank, 2, torch.device("cpu"), other, None
+
+    def all_reduce(self, tensor):
+        self.reduced = tensor.clone()
+        return tensor if self.other is None else tensor + self.other
+
+
 def test_validation_runs_the_flip_test_and_logs_the_original_names_first(tmp_path):
     """train.evaluate on pose: the original's val_cfg flip_test=True (mean of the crop's heatmaps and its mirror's,
     flipped back with the pairs), then the metrics; COCO's names first, pck@0.05 after them."""
@@ -308,6 +319,11 @@ def test_validation_runs_the_flip_test_and_logs_the_original_names_first(tmp_pat
     model.eval()
     got = train.evaluate(model, val, args, info, distributed.Distributed("cpu"))
     assert list(got) == [*metrics.COCO_KEYPOINT_STATS, "pck@0.05"]
+    # on two processes (rank 1 then rank 0 here, their all_reduce a sum): rank 0 gets rows 0-2, rank 1 row 3 and
+    # two padding rows; the one all_reduce gathers every person once
+    rank1 = FakeProcess(1, None)
+    train.evaluate(model, val, args, info, rank1)
+    assert train.evaluate(model, val, args, info, FakeProcess(0, rank1.reduced)) == got
     batch = datasets.collate([val[(i, 0)] for i in range(len(val))])
     expected = {}
     for flip in (True, False):
