@@ -241,7 +241,10 @@ def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
             with autocast(args, dist_info.device):
                 # pose: the original's val_cfg flip_test=True, the mean of the crop's heatmaps and its mirror's
                 output = model.flip_test(pixels) if pose else model(pixels)
-            metric.update(output, batch, valid, indices) if pose else metric.update(output, batch, valid)
+            if pose:
+                metric.update(output, batch, valid, indices)  # one row per person: gathered by its index
+            else:
+                metric.update(output, batch, valid)
     metric.sums = dist_info.all_reduce(metric.sums)
     model.train()
     return metric.result()
