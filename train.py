@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import math
 import os
 import sys
 import time
@@ -35,14 +35,14 @@ import torch
 import heads
 import processing
 from sapiens2 import PRESETS
-from sapiens2_app import datasets, distributed, optimization, starting_model, train_checkpoints
+from sapiens2_app import datasets, distributed, optimization, safe_io, starting_model, train_checkpoints
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
 from sapiens2_app.metrics import Metric
 from sapiens2_app.models import RANDOM_INIT
 from sapiens2_app.reporting import Progress
-from sapiens2_app.train_checkpoints import STATE_FILE, read_state, stored
+from sapiens2_app.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored
 
 LOG_FILE = "log.jsonl"
 MAX_SEED = 2**32 - 1  # (the sampler and the augmentations derive their seeds from it in 64 bits)
@@ -161,7 +161,10 @@ def parse_args(argv) -> argparse.Namespace:
     state_path = Path(args.out) / STATE_FILE
     if not state_path.is_file():
         parser.error(f"--resume: {state_path} not found; nothing to resume in {args.out}")
-    saved = read_state(args.out)["args"]
+    try:
+        saved = read_state(args.out)["args"]
+    except UsageError as error:
+        parser.error(f"--resume: {error}")
     given = explicit_options(parser, argv)
     # The same value is not a change: compare in the form the run stored (a parsed --size is a tuple, stored a list)
     changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and k != "task"
@@ -196,6 +199,23 @@ def explicit_options(parser: argparse.ArgumentParser, argv) -> set[str]:
     return set(vars(known))
 
 
+def check_output_folder(out: Path):
+    """-o, before any model loads: a folder (or one to make) that takes files. A probe file is written and removed,
+    and so are the folders made for it (the run makes them again once the data and the model are ready)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {out}: is a file, not a folder")
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # innermost first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        safe_io.check_writable(out)
+    except OSError as error:
+        raise UsageError(f"-o {out}: cannot write there ({safe_io.os_error_text(error)})") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 class Log:
     """OUT/log.jsonl, main process only."""
 
@@ -205,7 +225,7 @@ class Log:
     def write(self, record: dict):
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(safe_io.json_text(record) + "\n")  # strict JSON: a NaN loss is null
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -264,10 +284,17 @@ class Run:
         if args.fsdp and not dist_info.grouped:
             raise UsageError("--fsdp shards over torch.distributed processes: launch with torchrun "
                              "(torchrun --nproc-per-node N train.py ...)")
+        if dist_info.main:
+            check_output_folder(self.out)
         processing.check_data_files()  # an incomplete installation stops here, before the data and the model
         self.info = datasets.dataset_info(args.task, Path(args.data))
-        model, self.random = starting_model.build_model(args, self.info, self.note)
         saved = read_state(self.out) if args.resume else {}
+        if args.resume:
+            train_checkpoints.check_same_outputs(self.out, saved["info"], self.info, args.task, Path(args.data))
+            if dist_info.main:
+                for name in train_checkpoints.remove_stale_temporaries(self.out):
+                    self.note(f"removed {self.out / name}, left by a run that was killed")
+        model, self.random = starting_model.build_model(args, self.info, self.note)
         if self.random or saved.get("info", {}).get("random_start"):  # config.json's sapiens2_training says so
             self.info["random_start"] = True
         if self.random and dist_info.main:
@@ -347,6 +374,9 @@ class Run:
         for step in range(self.start, self.stop):
             losses.append(self.train_step(step, batches, params))
             done = step + 1
+            if dist_info.any(not math.isfinite(losses[-1])):  # (every process stops at the same step)
+                raise TrainingStopped(f"the loss is {losses[-1]} at step {done}: the training diverged (a lower --lr, "
+                                      f"or --clip-grad, may help); not saved; {kept_checkpoint(self.out)}")
             if done % args.log_every == 0 or done == self.stop:
                 mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
                 loss, lr = mean.item() / dist_info.world, self.learning_rate(step)
@@ -361,7 +391,7 @@ class Run:
             stopping = dist_info.any(stop_signals.requested)  # every process stops at the same step
             if (args.save_every and done % args.save_every == 0) or done == self.stop or stopping:
                 train_checkpoints.save_checkpoint(self.out, self.model, self.optimizer, done, args, self.info,
-                                                  dist_info, self.global_batch)
+                                                  dist_info, self.global_batch, held=stop_signals.held)
             if stopping:
                 return done
         return None
@@ -403,6 +433,12 @@ def train(args, argv=None) -> int:
     except USER_ERRORS as error:  # bad data, checkpoint or launch: the message names the file or setting
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except TrainingStopped as error:  # a full disk, a diverged run: the last good checkpoint is kept
+        print(f"error: stopped: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C (StopSignals), or one before the loop
+        print(f"\ninterrupted: quit without saving; {kept_checkpoint(Path(args.out))}", file=sys.stderr)
+        return INTERRUPTED
     finally:
         distributed.close()
 
