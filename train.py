@@ -45,6 +45,8 @@ from sapiens2_app.reporting import Progress
 from sapiens2_app.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored
 
 LOG_FILE = "log.jsonl"
+# The largest lr whose first AdamW step, lr / (1 - beta1), float32 holds (beyond it torch.optim fails with a traceback)
+MAX_LR = torch.finfo(torch.float32).max * (1 - optimization.BETAS[0])
 MAX_SEED = 2**32 - 1  # (the sampler and the augmentations derive their seeds from it in 64 bits)
 # Options that may differ on --resume (everything else comes from the run being resumed).
 RESUME_MAY_CHANGE = {"steps", "epochs", "stop_at", "save_every", "eval_every", "log_every", "workers", "resume",
@@ -84,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(e.g. to fit a job's time limit; --resume goes on)")
     p.add_argument("--batch-size", type=whole(1), default=4, help="samples per process and micro-step (default 4)")
     p.add_argument("--accumulate", type=whole(1), default=1, help="micro-steps per optimizer step (default 1)")
-    p.add_argument("--lr", type=number_in(float, 0, low_open=True), help="peak learning rate (default: the "
+    p.add_argument("--lr", type=number_in(float, 0, MAX_LR, low_open=True), help="peak learning rate (default: the "
                    "config's, below)")
-    p.add_argument("--min-lr", type=number_in(float, 0), default=0.0,
+    p.add_argument("--min-lr", type=number_in(float, 0, MAX_LR), default=0.0,
                    help="learning rate at the last step (default 0, as the configs)")
     p.add_argument("--warmup", type=whole(0), help="steps of linear warmup from "
                    f"{optimization.short_number(optimization.WARMUP_START_FACTOR)}"
@@ -384,14 +386,15 @@ class Run:
                 log.write({"step": done, "loss": loss, "lr": lr, "images_per_s": rate})
                 progress.update(done, f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} img/s")
                 losses, window_start = [], time.perf_counter()
-            if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
-                metrics = evaluate(self.model, self.val_set, args, self.info, dist_info)
-                log.write({"step": done, "eval": metrics})
-                progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             stopping = dist_info.any(stop_signals.requested)  # every process stops at the same step
             if (args.save_every and done % args.save_every == 0) or done == self.stop or stopping:
                 train_checkpoints.save_checkpoint(self.out, self.model, self.optimizer, done, args, self.info,
                                                   dist_info, self.global_batch, held=stop_signals.held)
+            # after the save: a bad val/ file (found only when read) then costs no training
+            if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
+                metrics = evaluate(self.model, self.val_set, args, self.info, dist_info)
+                log.write({"step": done, "eval": metrics})
+                progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if stopping:
                 return done
         return None

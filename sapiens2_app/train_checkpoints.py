@@ -114,40 +114,39 @@ def save_checkpoint(out: Path, model, optimizer, step: int, args, info: dict, di
     rng = dist_info.gather(rng)
     problem = None
     if dist_info.main:  # (with FSDP and cpu_offload only the main process holds the full state)
-        problem = non_finite(model_state, optimizer_state)
-        if problem is None:
+        bad = non_finite(model_state, optimizer_state)
+        if bad:
+            problem = (f"the weights of step {step} hold NaN or Inf ({bad}): the training diverged (a lower --lr, "
+                       "or --clip-grad, may help); not saved")
+        else:
             problem = written_or_why(out, unwrapped(model), model_state, optimizer_state, rng, step, args, info,
                                      global_batch, held)
     if dist_info.any(problem is not None):
-        raise TrainingStopped(f"{problem or 'the main process could not save'} at step {step}; "
-                              f"{kept_checkpoint(out)}")
+        raise TrainingStopped(f"{problem or f'the main process could not save step {step}'}; {kept_checkpoint(out)}")
     dist_info.barrier()
 
 
-def non_finite(model_state: dict, optimizer_state: dict) -> str | None:
-    """Why a state must not be saved (NaN or Inf in the weights or the AdamW moments), or None."""
+def non_finite(model_state: dict, optimizer_state: dict) -> str:
+    """The tensors of the weights or the AdamW moments that hold NaN or Inf ('' when none do)."""
     tensors = {**model_state, **{f"optimizer {name}.{key}": value for name, entries in optimizer_state["state"].items()
                                  for key, value in entries.items()}}
     # a sum is finite only if every element is (one pass, no temporary); an overflowing sum gets the exact test
     bad = [name for name, t in tensors.items() if torch.is_tensor(t) and t.is_floating_point()
            and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all())]
-    if not bad:
-        return None
-    return (f"the training diverged: NaN or Inf in {len(bad)} tensors ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
-            "not saved (a lower --lr, or --clip-grad, may help)")
+    return f"{len(bad)} tensors: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}" if bad else ""
 
 
-def written_or_why(out: Path, *checkpoint) -> str | None:
+def written_or_why(out: Path, model, model_state, optimizer_state, rng, step, *rest) -> str | None:
     """write_checkpoint; None when written, else the reason (a full disk, a read-only OUT)."""
     try:
-        write_checkpoint(out, *checkpoint)
+        write_checkpoint(out, model, model_state, optimizer_state, rng, step, *rest)
+        return None
     except OSError as error:
-        return f"cannot save the checkpoint in {out} ({safe_io.os_error_text(error)})"
+        text = safe_io.os_error_text(error)
     except SafetensorError as error:  # safetensors writes its files itself: its I/O errors carry the OS's code
         code = re.search(r"\(os error (\d+)\)", str(error))
         text = safe_io.os_error_text(OSError(int(code[1]), os.strerror(int(code[1])))) if code else str(error)
-        return f"cannot save the checkpoint in {out} ({text})"
-    return None
+    return f"cannot save the checkpoint of step {step} in {out} ({text})"
 
 
 def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info, global_batch, held=not_held):
