@@ -372,9 +372,15 @@ class Run:
         """Train, log, evaluate and save; returns the step where a stop request ended the run, else None."""
         args, dist_info = self.args, self.dist
         params = [p for p in self.model.parameters() if p.requires_grad]
-        losses, window_start = [], time.perf_counter()
+        losses, window_start, saved = [], time.perf_counter(), self.start
         for step in range(self.start, self.stop):
-            losses.append(self.train_step(step, batches, params))
+            try:
+                losses.append(self.train_step(step, batches, params))
+            except USER_ERRORS:  # a bad training file, found when read: the steps trained so far are kept
+                if dist_info.world == 1 and step > saved:  # (other processes, in a collective, could not join in)
+                    self.save(step, stop_signals)
+                    progress.note(f"saved the checkpoint of step {step}; fix the file below, then --resume goes on")
+                raise
             done = step + 1
             if dist_info.any(not math.isfinite(losses[-1])):  # (every process stops at the same step)
                 raise TrainingStopped(f"the loss is {losses[-1]} at step {done}: the training diverged (a lower --lr, "
@@ -388,8 +394,7 @@ class Run:
                 losses, window_start = [], time.perf_counter()
             stopping = dist_info.any(stop_signals.requested)  # every process stops at the same step
             if (args.save_every and done % args.save_every == 0) or done == self.stop or stopping:
-                train_checkpoints.save_checkpoint(self.out, self.model, self.optimizer, done, args, self.info,
-                                                  dist_info, self.global_batch, held=stop_signals.held)
+                saved = self.save(done, stop_signals)
             # after the save: a bad val/ file (found only when read) then costs no training
             if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
                 metrics = evaluate(self.model, self.val_set, args, self.info, dist_info)
@@ -398,6 +403,11 @@ class Run:
             if stopping:
                 return done
         return None
+
+    def save(self, done: int, stop_signals: StopSignals) -> int:
+        train_checkpoints.save_checkpoint(self.out, self.model, self.optimizer, done, self.args, self.info, self.dist,
+                                          self.global_batch, held=stop_signals.held)
+        return done
 
     def learning_rate(self, step: int) -> float:
         args = self.args

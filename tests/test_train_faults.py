@@ -122,6 +122,23 @@ def test_a_bad_label_in_val_found_by_workers_costs_no_training(backbone, tmp_pat
     assert checkpoint_step(out) == 2
 
 
+def test_a_bad_training_file_found_at_step_2_keeps_steps_0_and_1(backbone, tmp_path, capsys):
+    """The sample of step 2 has class id 7: exit 2 with the line naming it, and the two steps trained before saved
+    (--save-every 0: none was due), so that the fixed file and --resume lose nothing."""
+    data = make_dataset("seg", tmp_path / "data", count=8)
+    sampler = data_loading.StepSampler(8, argparse.Namespace(seed=0, batch_size=2, accumulate=1), Distributed("cpu"),
+                                       0, 4)
+    (index, _), _ = list(sampler)[2]  # the first sample of step 2 (images/ sorted by name: im{index})
+    bad = data / f"train/masks/im{index}.png"
+    save_png(bad, np.full((64, 48), 7, np.uint8))
+    out = tmp_path / "run"
+    assert train.main(argv(data, out, backbone, "--steps", 4, "--save-every", 0)) == 2
+    err = capsys.readouterr().err
+    assert error_lines(err) == [f"error: {bad}: class id 7 but classes.json lists 3 classes (ids 0..2, 255 = ignore)"]
+    assert "saved the checkpoint of step 2; fix the file below, then --resume goes on" in err
+    assert checkpoint_step(out) == 2
+
+
 # ----------------------------------------------------------------------------------------------------
 # -o, before any model loads
 # ----------------------------------------------------------------------------------------------------
