@@ -103,8 +103,8 @@ def data_loader(dataset, batch_sampler, workers: int, **options) -> torch.utils.
     # Each iterator draws a base seed (unused: the samples seed their own generators) from `generator`; from the
     # global RNG, that draw would put a resumed run's global RNG (dropout, restored from the checkpoint) one ahead.
     loader = torch.utils.data.DataLoader(ReadOrFail(dataset), batch_sampler=batch_sampler, collate_fn=collate_or_fail,
-                                         num_workers=workers, worker_init_fn=functools.partial(worker_signals, run_over),
-                                         generator=torch.Generator().manual_seed(0), **options)
+                                         num_workers=workers, generator=torch.Generator().manual_seed(0),
+                                         worker_init_fn=functools.partial(worker_signals, run_over), **options)
     loader.run_over = run_over
     return loader
 

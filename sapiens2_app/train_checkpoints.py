@@ -44,7 +44,8 @@ def read_state(out: Path) -> dict:
         raise UsageError(f"{path}: cannot read it as a training state ({error}); it is written by train.py "
                          "with each checkpoint: restore it, or start a new run with --model " + str(out)) from None
     expected = {"step": int, "global_batch": int, "args": dict, "param_groups": list, "info": dict}
-    wrong = [key for key, kind in expected.items() if not isinstance(state, dict) or not isinstance(state.get(key), kind)]
+    wrong = [key for key, kind in expected.items()
+             if not isinstance(state, dict) or not isinstance(state.get(key), kind)]
     if wrong:
         raise UsageError(f"{path}: not a training state of train.py ({', '.join(wrong)} missing or of the wrong "
                          f"type); restore it, or start a new run with --model {out}")
@@ -54,8 +55,9 @@ def read_state(out: Path) -> dict:
 def check_same_outputs(out: Path, saved_info: dict, info: dict, task: str, data: Path):
     """--resume with --data whose classes (seg) or keypoints (pose) are not the run's: a UsageError saying what
     differs (the head has one output per class or keypoint, and the names are stored with the model)."""
-    key, what, source = {"seg": ("class_names", "classes", data / "classes.json"),
-                         "pose": ("keypoint_names", "keypoints", data / "train" / "annotations.json")}.get(task, (None,) * 3)
+    labelled = {"seg": ("class_names", "classes", data / "classes.json"),
+                "pose": ("keypoint_names", "keypoints", data / "train" / "annotations.json")}
+    key, what, source = labelled.get(task, (None, None, None))
     if key is None or saved_info.get(key) == info[key]:
         return
     old, new = saved_info.get(key) or [], info[key]
@@ -149,7 +151,8 @@ def written_or_why(out: Path, model, model_state, optimizer_state, rng, step, *r
     return f"cannot save the checkpoint of step {step} in {out} ({text})"
 
 
-def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info, global_batch, held=not_held):
+def write_checkpoint(out: Path, model, model_state, optimizer_state, rng, step, args, info, global_batch,
+                     held=not_held):
     """Every file is written into a fresh staging folder first and moved into OUT only when all are written;
     train_state.json, moved last, names the step. The staging folder's name holds the writer's pid, so that a
     --resume after a kill -9 knows it is stale (remove_stale_temporaries); a second Ctrl-C does not cut the moves."""
