@@ -225,9 +225,14 @@ class Log:
         self.path, self.enabled = out / LOG_FILE, enabled
 
     def write(self, record: dict):
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             with self.path.open("a") as f:
                 f.write(safe_io.json_text(record) + "\n")  # strict JSON: a NaN loss is null
+        except OSError as error:  # a full disk meets the log as often as a checkpoint
+            raise TrainingStopped(f"cannot write {self.path} ({safe_io.os_error_text(error)}); "
+                                  f"{kept_checkpoint(self.path.parent)}") from None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -216,6 +216,8 @@ def test_log_and_checkpoint_json_are_strict(backbone, seg_data, tmp_path):
     log = train.Log(tmp_path, enabled=True)
     log.write({"step": 1, "loss": float("nan"), "eval": {"miou": float("inf")}})
     assert strict_json(tmp_path / "log.jsonl") == {"step": 1, "loss": None, "eval": {"miou": None}}
+    with pytest.raises(TrainingStopped, match=r"^cannot write .*log.jsonl \(Not a directory \(ENOTDIR\)"):
+        train.Log(tmp_path / "log.jsonl", enabled=True).write({"step": 2})  # (a full disk: the same OSError path)
     out = tmp_path / "run"
     assert train.main(argv(seg_data, out, backbone, "--steps", 1)) == 0
     for name in ("config.json", "train_state.json"):
