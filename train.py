@@ -45,8 +45,6 @@ from sapiens2_app.reporting import Progress
 from sapiens2_app.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored
 
 LOG_FILE = "log.jsonl"
-# The largest lr whose first AdamW step, lr / (1 - beta1), float32 holds (beyond it torch.optim fails with a traceback)
-MAX_LR = torch.finfo(torch.float32).max * (1 - optimization.BETAS[0])
 MAX_SEED = 2**32 - 1  # (the sampler and the augmentations derive their seeds from it in 64 bits)
 # Options that may differ on --resume (everything else comes from the run being resumed).
 RESUME_MAY_CHANGE = {"steps", "epochs", "stop_at", "save_every", "eval_every", "log_every", "workers", "resume",
@@ -86,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(e.g. to fit a job's time limit; --resume goes on)")
     p.add_argument("--batch-size", type=whole(1), default=4, help="samples per process and micro-step (default 4)")
     p.add_argument("--accumulate", type=whole(1), default=1, help="micro-steps per optimizer step (default 1)")
-    p.add_argument("--lr", type=number_in(float, 0, MAX_LR, low_open=True), help="peak learning rate (default: the "
+    p.add_argument("--lr", type=number_in(float, 0, low_open=True), help="peak learning rate (default: the "
                    "config's, below)")
-    p.add_argument("--min-lr", type=number_in(float, 0, MAX_LR), default=0.0,
+    p.add_argument("--min-lr", type=number_in(float, 0), default=0.0,
                    help="learning rate at the last step (default 0, as the configs)")
     p.add_argument("--warmup", type=whole(0), help="steps of linear warmup from "
                    f"{optimization.short_number(optimization.WARMUP_START_FACTOR)}"

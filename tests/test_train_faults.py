@@ -185,8 +185,7 @@ def test_non_finite_keypoints_are_refused(value, backbone, tmp_path, capsys):
 
 def test_a_diverging_run_stops_and_keeps_its_last_finite_checkpoint(backbone, seg_data, tmp_path, capsys):
     """--lr 1e30: the step-1 weights are huge but finite (saved), the step-2 loss is NaN: exit 1, nothing saved at
-    step 2. An lr whose first AdamW step float32 cannot hold (1e39) is refused (it was a traceback); weights that are
-    no longer finite are never saved."""
+    step 2. Weights that are no longer finite are never saved."""
     out = tmp_path / "run"
     assert train.main(argv(seg_data, out, backbone, "--steps", 4, "--lr", "1e30", "--save-every", 1,
                            "--log-every", 1)) == 1
@@ -196,9 +195,6 @@ def test_a_diverging_run_stops_and_keeps_its_last_finite_checkpoint(backbone, se
     assert checkpoint_step(out) == 1 and all(t.isfinite().all() for t in load_file(out / "model.safetensors").values())
     assert [record["step"] for record in map(json.loads, (out / "log.jsonl").read_text().splitlines())
             if "loss" in record] == [1]
-    with pytest.raises(SystemExit):
-        train.main(argv(seg_data, out, backbone, "--steps", 4, "--lr", "1e39"))
-    assert "error: argument --lr: expected a number > 0 and <= 3.40282e+37, got '1e39'" in capsys.readouterr().err
     model, before = weights.load(out), files_of(out)
     with torch.no_grad():
         model.decode_head.predictor.weight[0, 0] = float("inf")
