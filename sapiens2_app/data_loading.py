@@ -121,9 +121,9 @@ def worker_signals(run_over, _worker_id: int):
 
 class Batches:
     """A loader's batches, as a context manager: a SampleFailure is raised here (a UsageError, exit
-    status 2), and leaving stops the worker processes, however it is left (left to garbage collection they
-    could live on to the interpreter's exit, an exception's traceback holding the iterator in a reference
-    cycle; worker_signals lets them end then too)."""
+    status 2), and leaving stops the worker processes, however it is left: left to garbage collection they
+    could live on to the interpreter's exit (an exception's traceback can hold the iterator in a reference
+    cycle), and a worker still busy when torch stops it gets SIGTERM, which must then end it (worker_signals)."""
 
     def __init__(self, loader: torch.utils.data.DataLoader):
         self.run_over = getattr(loader, "run_over", None)
