@@ -35,13 +35,14 @@ import torch
 import heads
 import processing
 from sapiens2 import PRESETS
-from sapiens2_app import datasets, distributed, optimization, safe_io, starting_model, train_checkpoints
+from sapiens2_app import datasets, distributed, optimization, starting_model, train_checkpoints
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
 from sapiens2_app.metrics import Metric
 from sapiens2_app.models import RANDOM_INIT
 from sapiens2_app.reporting import Progress
+from sapiens2_app.safe_io import check_writable, json_text, os_error_text
 from sapiens2_app.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored
 
 LOG_FILE = "log.jsonl"
@@ -207,9 +208,9 @@ def check_output_folder(out: Path):
     made = [folder for folder in (out, *out.parents) if not folder.exists()]  # innermost first
     try:
         out.mkdir(parents=True, exist_ok=True)
-        safe_io.check_writable(out)
+        check_writable(out)
     except OSError as error:
-        raise UsageError(f"-o {out}: cannot write there ({safe_io.os_error_text(error)})") from None
+        raise UsageError(f"-o {out}: cannot write there ({os_error_text(error)})") from None
     finally:
         for folder in made:
             with contextlib.suppress(OSError):
@@ -227,9 +228,9 @@ class Log:
             return
         try:
             with self.path.open("a") as f:
-                f.write(safe_io.json_text(record) + "\n")  # strict JSON: a NaN loss is null
+                f.write(json_text(record) + "\n")  # strict JSON: a NaN loss is null
         except OSError as error:  # a full disk meets the log as often as a checkpoint
-            raise TrainingStopped(f"cannot write {self.path} ({safe_io.os_error_text(error)}); "
+            raise TrainingStopped(f"cannot write {self.path} ({os_error_text(error)}); "
                                   f"{kept_checkpoint(self.path.parent)}") from None
 
 

@@ -176,20 +176,6 @@ def read_annotations(folder: Path) -> tuple[dict, Path]:
         raise UsageError(f"{path}: not valid JSON ({error})") from None
 
 
-class NonFiniteNumber(ValueError):
-    """NaN or Infinity (Python's json reads them; they are not JSON) or a number too large for a float."""
-
-
-def not_a_number(text: str):
-    raise NonFiniteNumber(text)
-
-
-def finite_float(text: str) -> float:
-    if not math.isfinite(value := float(text)):
-        raise NonFiniteNumber(text)
-    return value
-
-
 def keypoint_set(coco: dict, path: Path) -> dict:
     """Names, flip pairs, skeleton and (optional) OKS sigmas of categories[0]."""
     categories = coco.get("categories") or []
@@ -225,3 +211,17 @@ def flip_pairs_from_names(names: list[str]) -> list[list[int]]:
                 pairs.append([i, index[right + name[len(left):]]])
     return sorted(pairs)
 
+
+# Strict numbers in annotations.json (read_annotations): a NaN keypoint would train a NaN model
+class NonFiniteNumber(ValueError):
+    """NaN or Infinity (Python's json reads them; they are not JSON) or a number too large for a float."""
+
+
+def not_a_number(text: str):
+    raise NonFiniteNumber(text)
+
+
+def finite_float(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise NonFiniteNumber(text)
+    return value
