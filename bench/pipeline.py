@@ -304,7 +304,8 @@ def main(argv=None) -> int:
         for row in json.loads(args.report.read_text())["rows"]:
             print(table_row(row))
         return 0
-    print(HEADER)
+    if not args.only_real:
+        print(HEADER)
     workers = [int(w) for w in args.workers.split(",")]
     out = args.out or ROOT / "bench" / "results" / f"pipeline-{args.device}{os.cpu_count()}t.json"
     result = {"bench": "pipeline", "device": args.device, "cpu_count": os.cpu_count(),
