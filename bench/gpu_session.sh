@@ -45,7 +45,7 @@ LIMIT_DIVISOR=${LIMIT_DIVISOR:-1}       # the CPU rehearsal shrinks every step's
 ALL_STEPS="sdpa forced autotune qk 5b 0.8b e2e pipeline tests compile"
 STEPS=${STEPS:-$ALL_STEPS}
 WHEELS=${WHEELS:-tmp/whl}
-# Seconds per step (forced: per variant). With SETUP_LIMIT and 6 forced variants: 529 s.
+# Seconds per step (forced: per variant). With SETUP_LIMIT and 6 forced variants: 519 s (the log prints the sum).
 declare -A LIMIT=([sdpa]=25 [forced]=15 [autotune]=80 [qk]=20 [5b]=35 [0.8b]=35 [e2e]=50 [pipeline]=40 [tests]=40
                   [compile]=40)
 SETUP_LIMIT=64                          # nvidia-smi 8, wheel install 25, versions 16, forced labels 15

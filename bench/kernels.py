@@ -417,7 +417,7 @@ def main():
     tag = "cpu" if device == "cpu" else "".join(ch for ch in info["device"].split()[-1].lower() if ch.isalnum())
     out = args.out or ROOT / "bench" / "results" / f"kernels_{tag}{'_quick' if args.quick else ''}.json"
     rec = Recorder(info, out, read_previous(out) if args.append else None)
-    print(json.dumps(info), flush=True)
+    print(json.dumps({k: v for k, v in info.items() if k != "runs"}), flush=True)
     t0 = time.time()
     info["copy_GB/s_measured"] = copy_gbs = copy_bandwidth_gbs(device)
     for op in args.ops.split(","):
