@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("timeout") is None or shutil.which(
                                 reason="needs bash and timeout")
 
 STUB = '''#!{python}
-import json, os, signal, sys, time
+import json, os, re, signal, sys, time
 from pathlib import Path
 
 args = sys.argv[1:]
@@ -62,13 +62,15 @@ else:  # bench/pipeline.py
     key = "real_rows"
     rows = [{{"tasks": "seg", "photo": "1080x1440", "workers": w, "real": {{"images_per_s": 90.0}},
              "of_model_alone": 0.9}} for w in value("--workers").split(",")] * 2
+if os.environ.get("STUB_STALL") and re.search(os.environ["STUB_STALL"], command):
+    time.sleep(1000)  # stuck before its first row (compiling, or hung)
 for row in rows:
     data = json.loads(out.read_text()) if out.exists() else {{}}
     data.setdefault(key, []).append(row)
     temp = out.with_name(f".{{out.name}}.{{os.getpid()}}.partial")
     temp.write_text(json.dumps(data))
     os.replace(temp, out)
-    if os.environ.get("STUB_HANG") and command.endswith(os.environ["STUB_HANG"]):
+    if os.environ.get("STUB_HANG") and re.search(os.environ["STUB_HANG"], command):
         time.sleep(1000)  # past its limit: timeout stops it
     if os.environ.get("STUB_KILL"):
         os.kill(os.getpid(), signal.SIGKILL)  # killed after its first row
@@ -112,7 +114,7 @@ def test_every_step_keeps_its_rows_when_killed(tmp_path):
     kept out of autotuning, the two Triton variables are set in every step, at most 8 files come back, and the
     step limits fit the deadline."""
     proc, out, calls, seconds = rehearse(tmp_path, STUB_KILL="1", STUB_CRASH="--impls triton[128x64w8s3to]",
-                                         STUB_HANG="--impls triton,auto", LIMIT_DIVISOR="80")
+                                         STUB_HANG="--impls triton,auto$", LIMIT_DIVISOR="80")
     assert proc.returncode == 0, proc.stderr
     log = (out / "gpu-session.log").read_text()
     steps = [c["args"] for c in program_calls(calls)]
@@ -159,6 +161,17 @@ def test_no_triton_row_stops_the_session_after_the_sdpa_rows(tmp_path):
     assert "== autotune: not run" in log and "== e2e: not run" in log
     assert not any("--impls" in c["args"] and "triton,auto" in c["args"] for c in calls)
     assert "== summary" in log and seconds < 60
+
+
+def test_forced_variants_that_only_ran_out_of_time_do_not_stop_the_session(tmp_path):
+    """Every forced variant is stuck past its limit before its first row (slow compiles look the same): they are
+    excluded from autotuning, but the session goes on to it, since no process failed."""
+    proc, out, calls, _ = rehearse(tmp_path, STUB_STALL=r"--impls triton\[", STEPS="forced autotune",
+                                   STUB_FAKE_SETUP="1", LIMIT_DIVISOR="15")
+    log = (out / "gpu-session.log").read_text()
+    assert proc.returncode == 0 and "autotuning goes on" in log and "stopping" not in log
+    autotune = next(c for c in calls if c["args"][-2:] == ["--impls", "triton,auto"])
+    assert autotune["env"]["SAPIENS2_TRITON_EXCLUDE"] == "128x64w8s3,128x64w8s3o"
 
 
 def test_the_cuda_tests_it_names_exist():
