@@ -74,7 +74,8 @@ def kernel_lines(rows: list[dict]) -> list[str]:
 
 
 def e2e_lines(rows: list[dict]) -> list[str]:
-    return [f"e2e {r['preset']} {r['model']} b{r['batch']} {r['dtype']} {r['impl']}: {fmt(r.get('median_ms'), '.1f')} ms, "
+    return [f"e2e {r['preset']} {r['model']} b{r['batch']} {r['dtype']} {r['impl']}: "
+            f"{fmt(r.get('median_ms'), '.1f')} ms, "
             f"{fmt(r.get('speedup_vs_hf'), '.2f')}x hf, {fmt(r.get('speedup_vs_hf_compile'), '.2f')}x compile(hf), "
             f"rel err {fmt(r.get('rel_err'), '.1e')}, {r.get('status')}" for r in rows]
 

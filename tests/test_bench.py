@@ -131,7 +131,8 @@ def test_each_job_row_is_saved_as_it_finishes_and_append_compares_with_earlier_o
         path = e2e.outputs_file(work, job)
         save_file({"0": torch.full((8,), 1 + offset[job["impl"]])}, str(path))
         return {"status": "ok", "times_ms": [2.0], "median_ms": 2.0, "min_ms": 2.0, "max_ms": 2.0, "iqr_ms": 0.0,
-                "images_per_s": 500.0, "outputs_path": str(path), "noise_vs_fp32": 1e-2 if job["impl"] == "hf" else None}
+                "images_per_s": 500.0, "outputs_path": str(path),
+                "noise_vs_fp32": 1e-2 if job["impl"] == "hf" else None}
 
     monkeypatch.setattr(e2e, "run_job", job_without_a_child)
     out = tmp_path / "e2e.json"

@@ -178,7 +178,8 @@ def test_the_cuda_tests_it_names_exist():
     """Step tests names a dozen node ids of tests/test_kernels.py: each must still be collected (a renamed test or
     case would silently vanish from the GPU run)."""
     script = (ROOT / "bench" / "gpu_session.sh").read_text()
-    ids = [line.strip().strip('"') for line in script.splitlines() if line.strip().startswith('"tests/test_kernels.py::')]
+    ids = [line.strip().strip('"') for line in script.splitlines()
+           if line.strip().startswith('"tests/test_kernels.py::')]
     assert 12 <= len(ids) <= 14
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider", *ids],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -214,7 +215,8 @@ def test_excluded_configurations_leave_the_autotuner(monkeypatch):
     assert at.excluded_configs() == {"128x64w8s3to", "128x64w8s3r128"}
     tuned = {("fwd", False, True): types.SimpleNamespace(configs=list(at._FWD_CONFIGS))}
     at._drop_excluded(tuned, at.excluded_configs())
-    labels = [at.config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) for c in tuned["fwd", False, True].configs]
+    kept = tuned["fwd", False, True].configs
+    labels = [at.config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) for c in kept]
     assert len(labels) == len(at._FWD_CONFIGS) - 2 and "128x64w8s3to" not in labels and "128x64w8s3o" in labels
     with pytest.raises(ValueError, match="leaves no fwd configuration"):
         at._drop_excluded(tuned, set(labels))
