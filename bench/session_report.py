@@ -104,7 +104,8 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "summary":
         print("\n".join(summary(Path(argv[1]))))
         return 0
-    print(f"error: usage: {__doc__.splitlines()[2].strip()} (or has-triton, summary)", file=sys.stderr)
+    print("error: usage: bench/session_report.py missing-forced JSON LABEL... | has-triton JSON forced|autotuned | "
+          "summary OUT_DIR", file=sys.stderr)
     return 2
 
 
