@@ -219,8 +219,9 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
 
 
 def real_rows(tasks_sets, photos, images: int, workers: list[int], batch: int, device: str, size: str,
-              preset: str) -> list[dict]:
-    """predict.py with real-size random models against the model alone, on the same photos and batch size."""
+              preset: str, on_row=lambda rows: None) -> list[dict]:
+    """predict.py with real-size random models against the model alone, on the same photos and batch size;
+    on_row(rows so far) after each row (the caller saves them: a run that is stopped keeps its rows)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="sapiens2-pipeline-real-") as tmp:
         tmp = Path(tmp)
@@ -239,6 +240,7 @@ def real_rows(tasks_sets, photos, images: int, workers: list[int], batch: int, d
                                  "of_model_alone": round(row["images_per_s"] / ideal, 3)})
                     print(f"| {tasks} | {photo} | {w} | {row['images_per_s']} img/s | model alone "
                           f"{round(ideal, 2)} img/s | {rows[-1]['of_model_alone']} |", flush=True)
+                    on_row(rows)
     return rows
 
 
@@ -292,6 +294,8 @@ def main(argv=None) -> int:
     parser.add_argument("--real", metavar="SIZE", help="also predict.py with real-size random models of this preset "
                         "(e.g. 0.4b) against the model alone")
     parser.add_argument("--size", help="with --real: the model input HxW (default the model's, 1024x768)")
+    parser.add_argument("--only-real", action="store_true", help="with --real: skip the free and stand-in rows "
+                        "(bench/gpu_session.sh: the GPU machine's time is for the real rows)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--report", type=Path, help="print the table of a results file and exit")
     args = parser.parse_args(argv)
@@ -300,16 +304,25 @@ def main(argv=None) -> int:
         for row in json.loads(args.report.read_text())["rows"]:
             print(table_row(row))
         return 0
-    print(HEADER)
+    if not args.only_real:
+        print(HEADER)
     workers = [int(w) for w in args.workers.split(",")]
     out = args.out or ROOT / "bench" / "results" / f"pipeline-{args.device}{os.cpu_count()}t.json"
     result = {"bench": "pipeline", "device": args.device, "cpu_count": os.cpu_count(),
               "torch_threads": torch.get_num_threads(), "versions": versions(), "rows": []}
-    result["rows"] = bench(args.tasks, args.photos, args.images, workers, args.batch_size, args.device)
-    safe_io.atomic_write(out, safe_io.json_text(result, indent=2))  # saved before the slower real rows
+    if args.only_real and not args.real:
+        parser.error("--only-real needs --real SIZE")
+    if not args.only_real:
+        result["rows"] = bench(args.tasks, args.photos, args.images, workers, args.batch_size, args.device)
+        safe_io.atomic_write(out, safe_io.json_text(result, indent=2))  # saved before the slower real rows
+
+    def save_real(rows):
+        result["real_rows"] = rows
+        safe_io.atomic_write(out, safe_io.json_text(result, indent=2))
+
     if args.real:
-        result["real_rows"] = real_rows(args.tasks, args.photos, args.images, workers, args.batch_size, args.device,
-                                        args.size, args.real)
+        save_real(real_rows(args.tasks, args.photos, args.images, workers, args.batch_size, args.device,
+                            args.size, args.real, save_real))
     safe_io.atomic_write(out, safe_io.json_text(result, indent=2))
     print(f"results: {out}")
     return 0
