@@ -423,7 +423,7 @@ def test_unwritable_subfolder_fails_its_images_only(checkpoints, tmp_path, monke
     out = tmp_path / "out"
     computed = []
     real_infer = pipeline.infer
-    monkeypatch.setattr(pipeline, "infer", lambda ctx, items, images: computed.extend(items) or
+    monkeypatch.setattr(pipeline, "infer", lambda ctx, items, images, prepared=None: computed.extend(items) or
                         real_infer(ctx, items, images))
     faulty_writer(monkeypatch, lambda file: errno.EACCES if (out / "ro") in file.parents else None)
     assert predict.main(["seg", str(folder), "-o", str(out), "--batch-size", "2",
