@@ -742,7 +742,7 @@ def _pickle_refusal(path: Path) -> str | None:
             f"(safetensors.torch.save_file of its state dict)")
 
 
-def _refuse_non_finite(model: torch.nn.Module, source) -> None:
+def refuse_non_finite(model: torch.nn.Module, source) -> None:
     """NaN/Inf weights give silent garbage (e.g. every pixel class 0): refuse them, naming the tensors."""
     # a sum is finite only if every element is (fast, no temporary); an overflowing sum gets the exact test
     bad = [name for name, t in model.state_dict().items() if t.is_floating_point()
@@ -765,7 +765,7 @@ def _names_the_source(load_function):
         except Exception as e:  # noqa: BLE001 (key errors, bad shapes, bad config fields...: all name the file)
             detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"  # KeyError: 'x' says little
             raise CheckpointError(detail if str(source) in detail else f"{source}: {detail}") from e
-        _refuse_non_finite(model, source)
+        refuse_non_finite(model, source)
         return model
 
     return load_checked

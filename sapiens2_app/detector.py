@@ -242,7 +242,7 @@ def load(source=DEFAULT_DETECTOR, dtype=torch.float32, device="cpu", threshold: 
     weights.load_strict(model, state, f"{name} (D-FINE; keys as sapiens2_app/detector.py names them, see KEY_RENAMES)")
     # NaN or Inf weights find nobody in any image, silently (a whole-image box for every photo): refused by name,
     # with the check weights.load applies to --model's checkpoints
-    weights._refuse_non_finite(model, name)
+    weights.refuse_non_finite(model, name)
     size = preprocessor.get("size", {})
     input_size = (size["height"], size["width"]) if "height" in size and "width" in size else INPUT_SIZE
     if any(s % 32 for s in input_size):
