@@ -40,7 +40,7 @@ from sapiens2_app import dataset_files, datasets, distributed, optimization, sta
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
-from sapiens2_app.metrics import Metric, PoseEvaluation, dense_metric_names
+from sapiens2_app.metrics import COCO_KEYPOINT_STATS, Metric, PoseEvaluation, dense_metric_names
 from sapiens2_app.models import RANDOM_INIT
 from sapiens2_app.reporting import Progress
 from sapiens2_app.safe_io import check_writable, json_text, os_error_text
@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def metrics_help() -> str:
-    """--help's list of the dense tasks' validation metrics (docs/training.md#metrics-on-val says what each is)."""
-    names = "\n".join(textwrap.fill(f"{task}: {', '.join(dense_metric_names(task))}", 110, initial_indent="  ",
-                                     subsequent_indent="    ") for task in heads.TASKS if task != "pose")
+    """--help's list of each task's validation metrics (docs/training.md#metrics-on-val says what each is)."""
+    pose = f"{', '.join(COCO_KEYPOINT_STATS)} (with OKS sigmas), pck@0.05; on the flip test's heatmaps"
+    names = "\n".join(textwrap.fill(f"{task}: {pose if task == 'pose' else ', '.join(dense_metric_names(task))}",
+                                     110, initial_indent="  ", subsequent_indent="    ") for task in heads.TASKS)
     return ('\n\nvalidation metrics (log.jsonl "eval"), the original evaluators\' names and numbers first, extras '
             f"after:\n{names}")
 
