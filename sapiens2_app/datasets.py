@@ -26,10 +26,8 @@ import torch
 
 import processing
 from heads import CANONICAL_FOCAL
-from sapiens2_app.augmentation import (HALF_BODY_MIN_KEYPOINTS, HALF_BODY_PROB, POSE_ROTATION, POSE_ROTATION_PROB,
-                                       POSE_SCALE, POSE_SHIFT, POSE_SHIFT_PROB, apply_affine, box_intrinsics, chance,
-                                       color_jitter, crop_affine, invert_affine, random_box, resample_box, uniform,
-                                       warp, whole_image_box)
+from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, chance, clip_box, color_jitter, draw_pose,
+                                       pose_crop, pose_pixels, random_box, resample_box, whole_image_box)
 from sapiens2_app.cli import UsageError
 from sapiens2_app.dataset_files import (IGNORE, TARGET_FOLDERS, TARGET_SUFFIX, check_size, fit_intrinsics,
                                         flip_order, flip_pairs_from_names, header_size, keypoint_set, list_images,
@@ -175,25 +173,31 @@ class DenseDataset:
 # Pose: one sample per person, a top-down crop with UDP heatmap targets
 # ----------------------------------------------------------------------------------------------------
 class PoseDataset:
-    """One sample per annotated person (with at least one visible keypoint)."""
+    """One sample per annotated person that the original's loader keeps (see drop_reason)."""
 
-    def __init__(self, folder: Path, size: tuple[int, int], augment: bool, heatmap_downscale: int = 4):
-        self.folder, self.size, self.augment = Path(folder), tuple(size), augment
+    def __init__(self, folder: Path, size: tuple[int, int], augment: bool, heatmap_downscale: int = 4,
+                 min_visible: int = 1):
+        """min_visible: the fewest visible keypoints a person needs (training: MIN_VISIBLE_KEYPOINTS)."""
+        self.folder, self.size, self.augment, self.min_visible = Path(folder), tuple(size), augment, min_visible
         self.heatmap_size = (size[0] // heatmap_downscale, size[1] // heatmap_downscale)
         coco, path = read_annotations(self.folder)
         self.meta = keypoint_set(coco, path)
+        self.flip_order = flip_order(len(self.meta["keypoint_names"]), self.meta["flip_pairs"])
+        self.body_ids = body_halves(self.meta["keypoint_names"])
+        self.dropped: dict[str, int] = {}  # reason -> people left out
         self.people = self.read_people(coco, path)
         if not self.people:
-            raise UsageError(f"{path}: no annotation with a visible keypoint")
+            raise UsageError(f"{path}: no person to train on ({describe_dropped(self.dropped)})")
 
     def read_people(self, coco: dict, path: Path) -> list[dict]:
         K = len(self.meta["keypoint_names"])
-        files = {}
+        files, sizes = {}, {}
         for image in coco.get("images", []):
             file = self.folder / "images" / image["file_name"]
             if not file.is_file():
                 raise UsageError(f"{file}: no such file (listed in {path}, image id {image['id']})")
             files[image["id"]] = file
+            sizes[image["id"]] = (image["height"], image["width"]) if "height" in image and "width" in image else None
         people = []
         for ann in coco.get("annotations", []):
             if ann.get("iscrowd"):
@@ -208,11 +212,18 @@ class PoseDataset:
             bbox = ann.get("bbox")
             if bbox is None or len(bbox) != 4 or bbox[2] <= 0 or bbox[3] <= 0:
                 raise UsageError(f"{where}: bbox must be [x, y, width, height] with width, height > 0, got {bbox}")
-            keypoints = keypoints.reshape(K, 3)
-            if (keypoints[:, 2] > 0).any():
-                area = float(ann.get("area") or bbox[2] * bbox[3])
-                people.append({"file": files[ann["image_id"]], "bbox": [float(v) for v in bbox],
-                               "keypoints": torch.from_numpy(keypoints), "area": area})
+            image_id = ann["image_id"]
+            if sizes[image_id] is None:
+                sizes[image_id] = header_size(files[image_id])
+            keypoints = torch.from_numpy(keypoints.reshape(K, 3))
+            box = clip_box(bbox, sizes[image_id])
+            reason = drop_reason(box, keypoints, sizes[image_id], self.min_visible)
+            if reason:
+                self.dropped[reason] = self.dropped.get(reason, 0) + 1
+                continue
+            area = float(ann.get("area") or bbox[2] * bbox[3])
+            people.append({"file": files[image_id], "bbox": [float(v) for v in bbox], "box_xyxy": box,
+                           "keypoints": keypoints, "area": area})
         return people
 
     def __len__(self) -> int:
@@ -223,51 +234,61 @@ class PoseDataset:
         person = self.people[index]
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(person["file"]).float()
-        keypoints = person["keypoints"].clone()  # (K, 3) image pixels + visibility
-        center, crop, angle, flip = self.crop_parameters(torch.tensor(person["bbox"]), keypoints, generator)
-        if self.augment:
-            image = color_jitter(image, generator)
-        to_source = crop_affine(center, crop, angle, self.size)  # (3, 3): network pixel -> source pixel
-        pixels = warp(image, to_source, self.size, upscale=bool((crop <= torch.tensor(self.size[::-1]) - 1).all()))
-        points = apply_affine(invert_affine(to_source), keypoints[:, :2])  # network pixels
-        visible = keypoints[:, 2] > 0
-        truth = person["keypoints"]
-        if flip:  # mirror the crop; left and right keypoints swap names
-            order = flip_order(len(points), self.meta["flip_pairs"])
-            pixels = pixels.flip(-1)
-            points[:, 0] = self.size[1] - 1 - points[:, 0]
-            points, visible, truth = points[order], visible[order], truth[order]
-            to_source = to_source @ torch.tensor([[-1.0, 0, self.size[1] - 1], [0, 1, 0], [0, 0, 1]])
-        heatmaps, weights = udp_heatmaps(points, visible, self.size, self.heatmap_size, heatmap_sigma(self.heatmap_size))
+        draws = draw_pose(generator, self.size) if self.augment else PoseDraws()
+        crop = pose_crop(person["box_xyxy"], person["keypoints"], image.shape[-1], self.size, draws,
+                         self.flip_order, self.body_ids)
+        pixels = pose_pixels(image, crop, self.size, draws)
+        heatmaps, weights = udp_heatmaps(crop.points, crop.visible, self.size, self.heatmap_size,
+                                         heatmap_sigma(self.heatmap_size))
         return {"pixel_values": processing.normalize(pixels), "labels": heatmaps, "label_weights": weights,
-                "keypoints": truth, "to_source": to_source, "bbox": torch.tensor(person["bbox"]),
-                "area": torch.tensor(person["area"]), "flipped": torch.tensor(flip)}
+                "keypoints": person["keypoints"][crop.order], "to_source": crop.to_source,
+                "bbox": torch.tensor(person["bbox"]), "area": torch.tensor(person["area"]),
+                "flipped": torch.tensor(draws.flip)}
 
-    def crop_parameters(self, box, keypoints, generator):
-        """(centre, crop size (w, h), rotation in degrees, flip) of the person's crop; augmented when training."""
-        if not self.augment:
-            center, crop = processing.crop_geometry(box[None], self.size)
-            return center[0], crop[0], 0.0, False
-        center, crop = processing.crop_geometry(self.half_body(box, keypoints, generator)[None], self.size)
-        center, crop = center[0], crop[0]
-        if chance(generator, POSE_SHIFT_PROB):
-            center = center + crop * torch.tensor([uniform(generator, -1, 1), uniform(generator, -1, 1)]) * POSE_SHIFT
-        crop = crop * uniform(generator, *POSE_SCALE)
-        angle = uniform(generator, -POSE_ROTATION, POSE_ROTATION) if chance(generator, POSE_ROTATION_PROB) else 0.0
-        return center, crop, angle, chance(generator, 0.5)
 
-    def half_body(self, box, keypoints, generator):
-        """The original's half-body augmentation, for any keypoint set: with probability 0.3 and enough
-        visible keypoints, the box of the upper or lower half of them (by height), enlarged 1.5x."""
-        visible = keypoints[keypoints[:, 2] > 0, :2]
-        if len(visible) < HALF_BODY_MIN_KEYPOINTS or not chance(generator, HALF_BODY_PROB):
-            return box
-        order = visible[:, 1].argsort()
-        half = order[: len(order) // 2] if chance(generator, 0.5) else order[len(order) // 2:]
-        low, high = visible[half].amin(0), visible[half].amax(0)
-        size = (high - low).clamp(min=1) * 1.5
-        center = (low + high) / 2
-        return torch.cat([center - size / 2, size])
+MIN_VISIBLE_KEYPOINTS = 8  # the released loaders' min_visible_keypoints (pose/configs/_base_/keypoints308.py:790)
+
+
+def drop_reason(box_xyxy, keypoints, image_size, min_visible: int) -> str | None:
+    """Why the original's loaders leave a person out (pose/datasets/pose_base_dataset.py:158-214: a clipped box
+    with no area, keypoints all at (0, 0), none labelled; and for training keypoints308_shutterstock_dataset.py:
+    111-156: keypoints outside the image do not count, fewer than 8 visible are too few), or None to keep it.
+    box_xyxy: clipped to the image."""
+    if box_xyxy[2] <= box_xyxy[0] or box_xyxy[3] <= box_xyxy[1]:
+        return "box outside the image"
+    if keypoints[:, :2].max() <= 0:
+        return "keypoints all at (0, 0)"
+    height, width = image_size
+    x, y = keypoints[:, 0], keypoints[:, 1]
+    inside = (x > 0) & (x < width) & (y > 0) & (y < height)
+    if not (keypoints[:, 2] > 0).any():
+        return "no visible keypoint"
+    if min_visible > 1 and int(((keypoints[:, 2] > 0) & inside).sum()) < min_visible:
+        return f"fewer than {min_visible} visible keypoints in the image"
+    return None
+
+
+def describe_dropped(dropped: dict[str, int]) -> str:
+    return ", ".join(f"{count} left out: {reason}" for reason, count in sorted(dropped.items())) or "none left out"
+
+
+COCO_HALVES = {17: (range(0, 11), range(11, 17)), 133: (range(0, 11), range(11, 23))}  # mmpose's coco(_wholebody)
+LOWER_BODY_WORDS = ("hip", "knee", "ankle", "heel", "toe", "foot", "feet")
+
+
+def body_halves(names: list[str]) -> tuple[list[int], list[int]]:
+    """(upper ids, lower ids) for the half-body crop: the original's keypoint types (`type="upper"/"lower"`, the
+    308 set's upper_body_ids/lower_body_ids in data/keypoints308.json; COCO-17 and COCO-WholeBody: nose to
+    wrists / hips to feet); for another set, by name: hips, knees, ankles, heels, toes and feet are the lower
+    half, every other keypoint the upper."""
+    sapiens = processing.keypoint_metadata()
+    if list(names) == list(sapiens["keypoint_names"]):
+        return list(sapiens["upper_body_ids"]), list(sapiens["lower_body_ids"])
+    if len(names) in COCO_HALVES and tuple(names[:17]) == processing.coco17_names():
+        upper, lower = COCO_HALVES[len(names)]
+        return list(upper), list(lower)
+    lower = [i for i, name in enumerate(names) if any(word in name.lower() for word in LOWER_BODY_WORDS)]
+    return [i for i in range(len(names)) if i not in lower], lower
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -292,7 +313,7 @@ def build_dataset(task: str, root: Path, split: str, size, augment: bool, info: 
     if folder is None:
         return None
     if task == "pose":
-        dataset = PoseDataset(folder, size, augment)
+        dataset = PoseDataset(folder, size, augment, min_visible=MIN_VISIBLE_KEYPOINTS if split == "train" else 1)
         if dataset.meta["keypoint_names"] != info["keypoint_names"]:
             raise UsageError(f"{folder / 'annotations.json'}: its keypoint names differ from train/'s")
         return dataset

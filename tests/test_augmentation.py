@@ -1,0 +1,364 @@
+"""Training augmentations and sample rules against the original's (facebookresearch/sapiens2).
+
+The original's transforms need its registry, albumentations and scipy, so their math is copied here (each block
+cites its file and line at commit 3098c14) and run with numpy and cv2 on the same random draws as ours: the draws
+are injected (augmentation.py draws every random number in one function and applies them in another), so both
+implementations see identical choices. Tolerances: geometry in float32 (the original's warp matrix is float32)
+1e-4 px; pixels: exact where both compute on integers, else within 1 grey level (the reason is given at each).
+"""
+
+import json
+import math
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import processing
+from sapiens2_app import augmentation, datasets
+from sapiens2_app.augmentation import Photometric, PoseDraws
+
+SIZE = (64, 48)  # network (H, W)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The original's math (numpy + cv2), draws passed in instead of drawn
+# ----------------------------------------------------------------------------------------------------
+def original_pose_geometry(bbox_xyxy, keypoints, visible, img_w, flip_indices, upper_ids, lower_ids, rands, size):
+    """rands: the values the original draws, in its order: flip (np.random.rand), half-body try and upper
+    preference (np.random.rand, drawn only with >= 9 visible), shift (truncnorm x2, rand), scale (truncnorm),
+    rotation (truncnorm, rand). Returns (center, scale after the aspect fix, warp_mat, keypoints, visible)."""
+    # PoseGetBBoxCenterScale, pose_transforms.py:210 -> bbox_xyxy2cs, bbox_transforms.py:38-40 (padding 1.25)
+    x1, y1, x2, y2 = np.hsplit(np.asarray(bbox_xyxy, np.float32)[None], [1, 2, 3])
+    center = np.hstack([x1 + x2, y1 + y2]) * 0.5
+    scale = np.hstack([x2 - x1, y2 - y1]) * 1.25
+    keypoints, visible = keypoints[None].copy(), visible[None].copy()  # (1, K, 2), (1, K)
+    # PoseRandomFlip.transform, pose_transforms.py:312 (flip unless rand > 0.5), 260, 296-303
+    if not rands["flip"] > 0.5:
+        center[..., 0] = img_w - center[..., 0] - 1
+        keypoints, visible = keypoints[..., flip_indices, :], visible[..., flip_indices]
+        keypoints[..., 0] = img_w - 1 - keypoints[..., 0]
+    # PoseRandomHalfBody._random_select_half_body, pose_transforms.py:402-425 (defaults 9, 2, 3, 1.5, 0.3, 0.7)
+    v = visible[0]
+    indices = None
+    if v.sum() >= 9 and not rands["half_body"] > 0.3:
+        upper = [i for i in upper_ids if v[i] > 0]
+        lower = [i for i in lower_ids if v[i] > 0]
+        prefer_upper = rands["upper"] < 0.7
+        if len(upper) < 2 and len(lower) < 3:
+            indices = None
+        elif len(lower) < 3:
+            indices = upper
+        elif len(upper) < 2:
+            indices = lower
+        else:
+            indices = upper if prefer_upper else lower
+    if indices is not None:  # _get_half_body_bbox, pose_transforms.py:385-392
+        selected = keypoints[0][indices]
+        c = selected.mean(axis=0)[:2]
+        (sx1, sy1), (sx2, sy2) = selected.min(axis=0), selected.max(axis=0)
+        center, scale = np.stack([c]), np.stack([np.array([sx2 - sx1, sy2 - sy1], dtype=c.dtype) * 1.5])
+    # PoseRandomBBoxTransform._get_transform_params + transform, pose_transforms.py:496-520
+    offset = np.asarray(rands["shift_tn"], np.float32)[None] * 0.16
+    offset = np.where(np.array([[rands["shift"]]]) < 0.3, offset, 0.0)
+    s = np.float32(rands["scale_tn"]) * 0.5 + 1.0
+    rotate = np.float32(rands["rot_tn"]) * 80.0 if rands["rot"] < 0.6 else 0.0
+    center = center + offset * scale
+    scale = scale * s
+    # PoseTopdownAffine._fix_aspect_ratio + transform, pose_transforms.py:113-175
+    w_out, h_out = size[1], size[0]
+    w, h = np.hsplit(scale, [1])
+    aspect = w_out / h_out
+    scale = np.where(w > h * aspect, np.hstack([w, w / aspect]), np.hstack([h * aspect, h]))
+    warp_mat = original_udp_warp_matrix(center[0], scale[0], rotate, (w_out, h_out))
+    transformed = cv2.transform(keypoints.astype(np.float32), warp_mat)
+    out = (transformed[..., 0] < 0) | (transformed[..., 0] >= w_out) | (transformed[..., 1] < 0) | (
+        transformed[..., 1] >= h_out)
+    visible = visible.copy()
+    visible[out] = 0
+    return center[0], scale[0], warp_mat, transformed[0], visible[0]
+
+
+def original_udp_warp_matrix(center, scale, rot, output_size):
+    """get_udp_warp_matrix, bbox_transforms.py:108-137."""
+    input_size = center * 2
+    rot_rad = np.deg2rad(rot)
+    warp_mat = np.zeros((2, 3), dtype=np.float32)
+    scale_x = (output_size[0] - 1) / scale[0]
+    scale_y = (output_size[1] - 1) / scale[1]
+    warp_mat[0, 0] = math.cos(rot_rad) * scale_x
+    warp_mat[0, 1] = -math.sin(rot_rad) * scale_x
+    warp_mat[0, 2] = scale_x * (-0.5 * input_size[0] * math.cos(rot_rad) + 0.5 * input_size[1] * math.sin(rot_rad)
+                                + 0.5 * scale[0])
+    warp_mat[1, 0] = math.sin(rot_rad) * scale_y
+    warp_mat[1, 1] = math.cos(rot_rad) * scale_y
+    warp_mat[1, 2] = scale_y * (-0.5 * input_size[0] * math.sin(rot_rad) - 0.5 * input_size[1] * math.cos(rot_rad)
+                                + 0.5 * scale[1])
+    return warp_mat
+
+
+def original_warp(image_bgr, warp_mat, size, flipped):
+    """PoseRandomFlip (cv2.flip, pose_transforms.py:322) then PoseTopdownAffine's cv2.warpAffine (149-158)."""
+    image = cv2.flip(image_bgr, 1) if flipped else image_bgr
+    scale_factor = min(np.linalg.norm(warp_mat[0, :2]), np.linalg.norm(warp_mat[1, :2]))
+    interp = cv2.INTER_AREA if scale_factor < 1.0 else cv2.INTER_CUBIC
+    return cv2.warpAffine(image, warp_mat, (size[1], size[0]), flags=interp)
+
+
+def original_photometric(img, d: Photometric):
+    """PhotoMetricDistortion.transform on a BGR uint8 image, common_transforms.py:85-146, its random.randint(0, 1)
+    and random.uniform/randint values taken from `d` (a part that is None is skipped)."""
+    def convert(img, alpha=1, beta=0):
+        img = img.astype(np.float32) * alpha + beta
+        return np.clip(img, 0, 255).astype(np.uint8)
+    if d.brightness is not None:
+        img = convert(img, beta=d.brightness)
+    if d.contrast_first and d.contrast is not None:
+        img = convert(img, alpha=d.contrast)
+    if d.saturation is not None:
+        img = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
+        img[:, :, 1] = convert(img[:, :, 1], alpha=d.saturation)
+        img = cv2.cvtColor(img, cv2.COLOR_HSV2BGR)
+    if d.hue is not None:
+        img = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
+        img[:, :, 0] = (img[:, :, 0].astype(int) + d.hue) % 180
+        img = cv2.cvtColor(img, cv2.COLOR_HSV2BGR)
+    if not d.contrast_first and d.contrast is not None:
+        img = convert(img, alpha=d.contrast)
+    return img
+
+
+def smooth_image(rng, h, w):
+    """uint8 (h, w, 3) whose values change by < 16 grey levels per pixel (see test_pose_crop_pixels)."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    channels = [127 + 60 * np.sin(x / rng.uniform(6, 10) + rng.uniform(0, 6)) + 60 * np.cos(y / rng.uniform(6, 10))
+                for _ in range(3)]
+    return np.clip(np.stack(channels, -1), 0, 255).round().astype(np.uint8)
+
+
+def to_tensor(image_hwc) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(image_hwc)).permute(2, 0, 1).float()
+
+
+COCO_FLIP = [0, 2, 1, 4, 3, 6, 5, 8, 7, 10, 9, 12, 11, 14, 13, 16, 15]
+
+
+def random_person(rng, img_h, img_w):
+    """A COCO-17 person: box, keypoints (17, 2) inside it, visibility (some invisible)."""
+    x0, y0 = rng.uniform(-10, img_w * 0.5), rng.uniform(-10, img_h * 0.5)
+    bw, bh = rng.uniform(15, img_w * 0.7), rng.uniform(25, img_h * 0.9)
+    keypoints = np.stack([rng.uniform(x0, x0 + bw, 17), np.sort(rng.uniform(y0, y0 + bh, 17))], 1).astype(np.float32)
+    visible = (rng.uniform(size=17) > rng.choice([0.1, 0.3, 0.6])).astype(np.float32)
+    return [x0, y0, bw, bh], keypoints, visible
+
+
+def random_rands(rng) -> dict:
+    return {"flip": rng.uniform(), "half_body": rng.uniform() * 0.6, "upper": rng.uniform(),
+            "shift_tn": rng.uniform(-1, 1, 2), "shift": rng.uniform() * 0.6, "scale_tn": rng.uniform(-1, 1),
+            "rot_tn": rng.uniform(-1, 1), "rot": rng.uniform()}
+
+
+def draws_of(rands: dict, **pixels) -> PoseDraws:
+    """Our PoseDraws for the original's draws (the mapping of draw_pose, whose sampling is tested apart)."""
+    shift = tuple(float(v) * 0.16 for v in rands["shift_tn"]) if rands["shift"] < 0.3 else (0.0, 0.0)
+    rotation = float(np.float32(rands["rot_tn"]) * 80.0) if rands["rot"] < 0.6 else 0.0
+    return PoseDraws(flip=rands["flip"] <= 0.5, half_body=rands["half_body"] <= 0.3, prefer_upper=rands["upper"] < 0.7,
+                     shift=shift, scale=float(rands["scale_tn"]) * 0.5 + 1.0, rotation=rotation, **pixels)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pose geometry and pixels
+# ----------------------------------------------------------------------------------------------------
+def test_pose_crop_geometry_is_the_originals():
+    """Box (clipped), flip, half body, shift, scale, rotation, aspect and UDP matrix on 200 random people and draws:
+    our affine map is the original's warp matrix (with its flip), the keypoints land where it puts them, and the
+    same keypoints stay visible."""
+    rng = np.random.default_rng(0)
+    upper, lower = datasets.body_halves(list(processing.coco17_names()))
+    assert (upper, lower) == (list(range(11)), list(range(11, 17)))
+    half_bodies = flips = 0
+    for _ in range(200):
+        img_h, img_w = int(rng.integers(60, 200)), int(rng.integers(60, 200))
+        bbox, keypoints, visible = random_person(rng, img_h, img_w)
+        rands = random_rands(rng)
+        box = augmentation.clip_box(bbox, (img_h, img_w))
+        x, y, w, h = bbox  # pose_base_dataset.py:158-162
+        expected_box = [np.clip(x, 0, img_w - 1), np.clip(y, 0, img_h - 1), np.clip(x + w, 0, img_w - 1),
+                        np.clip(y + h, 0, img_h - 1)]
+        np.testing.assert_allclose(box.numpy(), expected_box, atol=1e-9)
+        if box[2] <= box[0] or box[3] <= box[1]:
+            continue
+        center, scale, warp_mat, points, vis = original_pose_geometry(
+            box.numpy(), keypoints, visible, img_w, COCO_FLIP, upper, lower, rands, SIZE)
+        draws = draws_of(rands)
+        crop = augmentation.pose_crop(box, torch.from_numpy(np.concatenate([keypoints, visible[:, None]], 1)), img_w,
+                                      SIZE, draws, COCO_FLIP, (upper, lower))
+        # the original's matrix maps the (flipped) image to the crop; ours maps the crop to the unflipped image
+        mirror = np.array([[-1.0, 0, img_w - 1], [0, 1, 0], [0, 0, 1]]) if draws.flip else np.eye(3)
+        ours = np.linalg.inv(crop.to_source.double().numpy()) @ mirror
+        scale_of_crop = max(1.0, float(np.abs(warp_mat[:, :2]).max()))
+        np.testing.assert_allclose(ours[:2], warp_mat, atol=1e-4 * scale_of_crop, rtol=1e-5)
+        np.testing.assert_allclose(crop.points.numpy(), points, atol=1e-4 * max(1.0, float(np.abs(points).max()) / 100))
+        assert crop.visible.tolist() == (vis > 0).tolist()
+        assert crop.order.tolist() == (COCO_FLIP if draws.flip else list(range(17)))
+        half_bodies += int(visible.sum() >= 9 and draws.half_body)
+        flips += int(draws.flip)
+    assert half_bodies > 20 and 60 < flips < 140  # both paths exercised
+
+
+def test_pose_crop_pixels_are_the_originals_warp():
+    """The crop's pixels against cv2.warpAffine on the (flipped) image, bilinear (a shrinking crop: INTER_AREA,
+    which warpAffine runs as INTER_LINEAR) and bicubic (an enlarging one). Within 1 grey level: OpenCV rounds the
+    source coordinates to 1/32 pixel and its weights to 15 bits; on an image changing by < 16 levels per pixel that
+    moves a value by < 0.5 level, so rounding may differ by one."""
+    rng = np.random.default_rng(1)
+    upscaled = 0
+    for case in range(12):
+        img_h, img_w = (120, 90) if case % 2 else (40, 30)  # shrinking and enlarging crops
+        image = smooth_image(rng, img_h, img_w)
+        bbox, keypoints, visible = random_person(rng, img_h, img_w)
+        rands = random_rands(rng)
+        box = augmentation.clip_box([max(bbox[0], 0), max(bbox[1], 0), bbox[2], bbox[3]], (img_h, img_w))
+        *_, warp_mat, _, _ = original_pose_geometry(box.numpy(), keypoints, visible, img_w, COCO_FLIP,
+                                                    range(11), range(11, 17), rands, SIZE)
+        expected = original_warp(image[..., ::-1], warp_mat, SIZE, rands["flip"] <= 0.5)[..., ::-1]
+        draws = draws_of(rands)
+        crop = augmentation.pose_crop(box, torch.from_numpy(np.concatenate([keypoints, visible[:, None]], 1)), img_w,
+                                      SIZE, draws, COCO_FLIP, (range(11), range(11, 17)))
+        ours = augmentation.pose_pixels(to_tensor(image), crop, SIZE, draws)
+        difference = (ours - to_tensor(expected)).abs()
+        assert difference.max() <= 1, (case, crop.upscale, float(difference.max()))
+        assert difference.gt(0).float().mean() < 0.05
+        upscaled += int(crop.upscale)
+    assert 0 < upscaled < 12
+
+
+def test_photometric_distortion_is_the_originals():
+    """Brightness, contrast (first or last), saturation and hue against the original's numpy/cv2 code on the same
+    choices. Brightness and contrast (truncating float32 conversions) and RGB -> HSV (OpenCV's integer tables) are
+    exact; HSV -> RGB is OpenCV 4's float formula, rounded: OpenCV 5 (installed here) computes it in fixed point and
+    lands 1 level lower on about a third of the colours. So each HSV step is checked on the original's own input,
+    within 1 level (a second HSV round trip would turn a 1-level difference into a different hue)."""
+    rng = np.random.default_rng(2)
+    image = rng.integers(0, 256, (40, 36, 3), dtype=np.uint8)
+    image[:4, :4] = 0  # grey and black pixels (S = 0) take OpenCV's other branch
+    image[4:8, :4] = 128
+    for case in range(8):  # without HSV: exact, and the contrast's place in the order matters
+        d = Photometric(brightness=rng.uniform(-32, 32), contrast=rng.uniform(0.5, 1.5), contrast_first=bool(case % 2),
+                        saturation=None, hue=None)
+        expected = original_photometric(image[..., ::-1].copy(), d)[..., ::-1]
+        assert torch.equal(augmentation.photometric_distortion(to_tensor(image), d), to_tensor(expected)), d
+    for case in range(8):  # one HSV step at a time
+        d = Photometric(brightness=None, contrast=None, contrast_first=True,
+                        saturation=rng.uniform(0.5, 1.5) if case % 2 else None,
+                        hue=None if case % 2 else int(rng.integers(-18, 19)))
+        expected = original_photometric(image[..., ::-1].copy(), d)[..., ::-1]
+        difference = augmentation.photometric_distortion(to_tensor(image), d) - to_tensor(expected)
+        assert difference.abs().max() <= 1 and difference.ne(0).float().mean() < 0.4, d
+        assert difference.ge(0).all()  # OpenCV 5's fixed point only ever lands lower
+
+
+@pytest.mark.parametrize("kernel", [3, 5, 7])
+def test_blur_median_and_dropout_are_albumentations(kernel):
+    """Blur = cv2.blur (BORDER_REFLECT_101), MedianBlur = cv2.medianBlur, CoarseDropout = the hole set to 0, as
+    albumentations applies them (Blur(p=0.1), MedianBlur(p=0.1), CoarseDropout(...), the pose config's
+    PoseAlbumentation). Blur within 1 level (OpenCV's fixed-point box filter rounds the mean), median exact."""
+    image = np.random.default_rng(kernel).integers(0, 256, (29, 23, 3), dtype=np.uint8)
+    blurred = augmentation.box_blur(to_tensor(image), kernel)
+    assert (blurred - to_tensor(cv2.blur(image, (kernel, kernel)))).abs().max() <= 1
+    assert torch.equal(augmentation.median_blur(to_tensor(image), kernel), to_tensor(cv2.medianBlur(image, kernel)))
+    holed = augmentation.coarse_dropout(to_tensor(image), (3, 5, 7, 4))
+    expected = image.copy()
+    expected[5:9, 3:10] = 0
+    assert torch.equal(holed, to_tensor(expected))
+
+
+def test_pose_draws_follow_the_configured_distributions():
+    """2000 draws of draw_pose: each choice at its configured probability (within 4 standard errors), the
+    truncated normals inside (-1, 1) with scipy's truncnorm(-1, 1) mean 0 and std 0.5396, the kernels uniform over
+    3/5/7, the hole's sides 0.2-0.4 of the crop and inside it."""
+    generator = torch.Generator().manual_seed(0)
+    n = 2000
+    draws = [augmentation.draw_pose(generator, (256, 192)) for _ in range(n)]
+
+    def share(values, p):
+        assert abs(np.mean(values) - p) < 4 * math.sqrt(p * (1 - p) / n), (np.mean(values), p)
+    share([d.flip for d in draws], 0.5)
+    share([d.half_body for d in draws], 0.3)
+    share([d.prefer_upper for d in draws], 0.7)
+    share([d.shift != (0.0, 0.0) for d in draws], 0.3)
+    share([d.rotation != 0 for d in draws], 0.6)
+    share([d.photometric is not None for d in draws], 0.8)
+    share([d.blur > 0 for d in draws], 0.1)
+    share([d.median_blur > 0 for d in draws], 0.1)
+    photometric = [d.photometric for d in draws if d.photometric]
+    share([p.brightness is not None for p in photometric], 0.5)
+    share([p.contrast_first for p in photometric], 0.5)
+    assert all(-32 <= p.brightness <= 32 for p in photometric if p.brightness is not None)
+    assert all(0.5 <= p.contrast <= 1.5 for p in photometric if p.contrast is not None)
+    assert {p.hue for p in photometric if p.hue is not None} == set(range(-18, 19))
+    scales = np.array([d.scale for d in draws])
+    rotations = np.array([d.rotation for d in draws if d.rotation != 0]) / 80
+    shifts = np.array([d.shift for d in draws if d.shift != (0.0, 0.0)]).ravel() / 0.16
+    truncnorm_std = math.sqrt(1 - 2 * math.exp(-0.5) / math.sqrt(2 * math.pi) / math.erf(1 / math.sqrt(2)))
+    for values in ((scales - 1) / 0.5, rotations, shifts):
+        assert values.min() > -1 and values.max() < 1
+        assert abs(values.mean()) < 4 * truncnorm_std / math.sqrt(len(values))
+        assert abs(values.std() - truncnorm_std) < 0.03
+    assert {d.blur for d in draws} == {0, 3, 5, 7}
+    holes = np.array([d.hole for d in draws])
+    assert (holes[:, 2] >= int(192 * 0.2)).all() and (holes[:, 2] <= int(192 * 0.4)).all()
+    assert (holes[:, 3] >= int(256 * 0.2)).all() and (holes[:, 3] <= int(256 * 0.4)).all()
+    assert (holes[:, 0] + holes[:, 2] <= 192).all() and (holes[:, 1] + holes[:, 3] <= 256).all()
+    assert holes[:, 0].min() == 0 and (holes[:, 0] + holes[:, 2]).max() == 192
+
+
+def test_half_body_halves_of_the_known_sets():
+    """The 308 set's upper/lower ids are the original's keypoint types (keypoints308.py: 51 upper, 12 lower);
+    COCO-WholeBody's 133: nose-wrists / hips-feet; an unknown set by name."""
+    names308 = processing.keypoint_metadata()["keypoint_names"]
+    upper, lower = datasets.body_halves(names308)
+    assert lower == list(range(9, 21)) and upper == list(range(9)) + list(range(21, 63))
+    wholebody = list(processing.coco17_names()) + [f"x{i}" for i in range(116)]
+    assert datasets.body_halves(wholebody) == (list(range(11)), list(range(11, 23)))
+    assert datasets.body_halves(["head", "left_hand", "left_knee", "right_foot"]) == ([0, 1], [2, 3])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sample rules
+# ----------------------------------------------------------------------------------------------------
+def write_pose_set(folder: Path, people: list[tuple[list, list]], h=80, w=60):
+    (folder / "images").mkdir(parents=True)
+    Image.fromarray(np.full((h, w, 3), 90, np.uint8)).save(folder / "images" / "a.png")
+    annotations = [{"id": i, "image_id": 0, "bbox": box, "keypoints": keypoints}
+                   for i, (box, keypoints) in enumerate(people)]
+    category = {"id": 1, "name": "person", "keypoints": list(processing.coco17_names())}
+    (folder / "annotations.json").write_text(json.dumps({
+        "images": [{"id": 0, "file_name": "a.png", "height": h, "width": w}], "annotations": annotations,
+        "categories": [category]}))
+
+
+def keypoints_with(visible: int, x=20.0, y=30.0) -> list:
+    return [v for k in range(17) for v in (x + k, y + k, 2 if k < visible else 0)]
+
+
+def test_pose_people_the_original_leaves_out(tmp_path):
+    """The released loaders' rules: a box outside the image (empty once clipped), keypoints all at (0, 0), fewer
+    than 8 visible keypoints inside the image (training only); the rest kept and the count of each reason kept."""
+    people = [([5, 5, 30, 40], keypoints_with(8)),  # kept
+              ([70, 10, 20, 20], keypoints_with(17)),  # x >= width: outside the image
+              ([5, 5, 30, 40], [0.0, 0.0, 2] * 17),  # all at (0, 0)
+              ([5, 5, 30, 40], keypoints_with(7)),  # 7 visible
+              ([5, 5, 30, 40], keypoints_with(10, x=-2.0)),  # 10 visible, 7 of them inside the image (x > 0)
+              ([-20, -20, 60, 60], keypoints_with(17))]  # kept: clipped to the image
+    write_pose_set(tmp_path / "train", people)
+    dataset = datasets.PoseDataset(tmp_path / "train", SIZE, True, min_visible=datasets.MIN_VISIBLE_KEYPOINTS)
+    assert len(dataset) == 2
+    assert dataset.dropped == {"box outside the image": 1, "keypoints all at (0, 0)": 1,
+                               "fewer than 8 visible keypoints in the image": 2}
+    assert dataset.people[1]["box_xyxy"].tolist() == [0, 0, 40, 40]
+    evaluation = datasets.PoseDataset(tmp_path / "train", SIZE, False)  # val keeps the sparse people
+    assert len(evaluation) == 4 and evaluation.dropped == {"box outside the image": 1, "keypoints all at (0, 0)": 1}
