@@ -253,6 +253,7 @@ class Run:
         self.dist = Distributed(args.device, args.fsdp)
         self.out = Path(args.out)
         self.notes = []
+        self.dropped = 0  # training samples left out (and refetched) by the original's rules, this log window
         self.progress = Progress(0, unit="steps", bar=False, notes=self.dist.main)  # notes before the loop's bar
 
     def note(self, message: str):
@@ -275,6 +276,9 @@ class Run:
         size = tuple(model.config.image_size)
         self.train_set = datasets.build_dataset(args.task, Path(args.data), "train", size, args.augment, self.info)
         self.val_set = datasets.build_dataset(args.task, Path(args.data), "val", size, False, self.info)
+        if getattr(self.train_set, "dropped", None):
+            self.note(f"train/ people left out as the original's loaders do: "
+                      f"{datasets.describe_dropped(self.train_set.dropped)}")
         self.global_batch = args.batch_size * dist_info.world * args.accumulate
         if len(self.train_set) < self.global_batch:
             raise UsageError(
@@ -348,10 +352,12 @@ class Run:
             losses.append(self.train_step(step, batches, params))
             done = step + 1
             if done % args.log_every == 0 or done == self.stop:
-                mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
-                loss, lr = mean.item() / dist_info.world, self.learning_rate(step)
+                sums = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses), self.dropped], dtype=torch.float64))
+                loss, lr = sums[0].item() / dist_info.world, self.learning_rate(step)
                 rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
-                log.write({"step": done, "loss": loss, "lr": lr, "images_per_s": rate})
+                log.write({"step": done, "loss": loss, "lr": lr, "images_per_s": rate,
+                           "dropped_samples": int(sums[1].item())})
+                self.dropped = 0
                 progress.update(done, f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} img/s")
                 losses, window_start = [], time.perf_counter()
             if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
@@ -384,6 +390,7 @@ class Run:
     def micro_step(self, model, batch, micro: int) -> float:
         """Forward + backward of one micro-batch; gradients are synchronized after the last one only."""
         args = self.args
+        self.dropped += int(batch["dropped"].sum())  # samples the original's rules left out, replaced
         batch = to_device(batch, self.dist.device)
         last = micro == args.accumulate - 1
         if args.fsdp:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 import processing
 from heads import CANONICAL_FOCAL
@@ -52,8 +53,11 @@ LOSS_KEYS = {
 class DenseDataset:
     """seg, normal, pointmap, matting, albedo: one sample per image."""
 
-    def __init__(self, task: str, folder: Path, size: tuple[int, int], augment: bool, class_names=None):
+    def __init__(self, task: str, folder: Path, size: tuple[int, int], augment: bool, class_names=None,
+                 drop_rules: bool = False):
+        """drop_rules: refetch the samples the original's training leaves out (dense_drop_reason)."""
         self.task, self.folder, self.size, self.augment = task, Path(folder), tuple(size), augment
+        self.drop_rules = drop_rules
         self.images = list_images(self.folder)
         self.names = list(self.images)
         self.targets = paired_files(self.folder, TARGET_FOLDERS[task], TARGET_SUFFIX[task], self.names)
@@ -66,6 +70,21 @@ class DenseDataset:
             self.class_flip[:len(class_names)] = flip_order(len(class_names), flip_pairs_from_names(class_names))
         self.intrinsics = read_intrinsics(self.folder, self.names) if task == "pointmap" else None
         self.check_sizes()
+        self.masked = self.names_with_masks()
+
+    def names_with_masks(self) -> set[str]:
+        """The images whose valid pixels a file gives (masks/, or albedo's alpha channel); the others are valid
+        wherever their target is finite."""
+        if self.masks is not None:
+            return set(self.names)
+        if self.task != "albedo":
+            return set()
+        masked = set()
+        for name, path in self.targets.items():
+            with Image.open(path) as image:
+                if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+                    masked.add(name)
+        return masked
 
     def check_sizes(self):
         """Every target (and mask) has its image's size: read from the file headers, so a mismatch is found
@@ -86,7 +105,10 @@ class DenseDataset:
         return len(self.names)
 
     def __getitem__(self, key) -> dict:
-        index, seed = key
+        return refetching(self.make_sample, key, len(self), self.drop_rules)
+
+    def make_sample(self, index: int, seed: int) -> tuple[dict, str | None]:
+        """(the sample, why the original's training would leave it out or None)."""
         name = self.names[index]
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(self.images[name]).float()
@@ -114,7 +136,7 @@ class DenseDataset:
                 target = self.class_flip[target.long()].float()
         self.finish(sample, target, mask, K, box, flip)
         sample["flipped"] = torch.tensor(flip)
-        return sample
+        return sample, dense_drop_reason(self.task, sample, name in self.masked)
 
     def read_target(self, name: str, image_size):
         """(target (C, H, W) float, valid mask (1, H, W) or None, intrinsics or None) at the image's size."""
@@ -167,6 +189,54 @@ class DenseDataset:
             scale = CANONICAL_FOCAL / K[0, 0]
             sample["labels"], sample["mask"] = target * scale * mask, mask
             sample["scales"], sample["intrinsics"] = scale.view(1), K
+
+
+# ----------------------------------------------------------------------------------------------------
+# Samples the original's training leaves out, refetched
+# ----------------------------------------------------------------------------------------------------
+MIN_FOREGROUND = 0.01  # seg: dense/datasets/transforms/seg_transforms.py:136-141 (class > 0 and != 255)
+MIN_VALID_PIXELS = 16  # normal, albedo, pointmap: normal_transforms.py:413, albedo_transforms.py:379, pointmap 573
+MAX_VALID_SHARE = 0.96  # normal_transforms.py:416, albedo_transforms.py:382, pointmap_transforms.py:576
+MIN_CANONICAL_DEPTH = 0.04  # pointmap_transforms.py:580: a point (nearly) inside the canonical camera
+MAX_REFETCH = 1000  # engine/datasets/base_dataset.py:45
+
+
+def dense_drop_reason(task: str, sample: dict, masked: bool) -> str | None:
+    """Why the original's training would leave out this (augmented, resized) sample, or None to keep it; checked
+    where its PackInputs checks, on the network-size targets. The > 96% valid rule only applies where a file gives
+    the valid pixels (`masked`): without one, every pixel of a finite target is valid, and the rule would leave
+    out every sample."""
+    if task == "seg":
+        labels = sample["labels"]
+        return "under 1% foreground" if ((labels > 0) & (labels != IGNORE)).float().mean() < MIN_FOREGROUND else None
+    if task not in ("normal", "albedo", "pointmap"):
+        return None
+    valid = sample["mask"] > 0
+    if int(valid.sum()) < MIN_VALID_PIXELS:
+        return f"fewer than {MIN_VALID_PIXELS} valid pixels"
+    if masked and valid.float().mean() > MAX_VALID_SHARE:
+        return "over 96% of the pixels valid"
+    if task == "pointmap" and sample["labels"][2][valid[0]].min() < MIN_CANONICAL_DEPTH:
+        return f"canonical depth under {MIN_CANONICAL_DEPTH}"
+    return None
+
+
+def refetching(make_sample, key, count: int, drop_rules: bool) -> dict:
+    """make_sample(index, seed) -> (sample, reason to leave it out); with drop_rules, a sample left out is replaced
+    by another index at random (the original's BaseDataset.__getitem__), the choice seeded by the sample's seed so
+    that any process fetches the same. sample["dropped"]: how many were left out for it (train.py logs the sum)."""
+    index, seed = key
+    generator = None
+    for attempt in range(MAX_REFETCH + 1):
+        sample, reason = make_sample(index, seed)
+        if not drop_rules or reason is None:
+            sample["dropped"] = torch.tensor(attempt)
+            return sample
+        generator = generator or torch.Generator().manual_seed(int(seed) + 0x5DEECE66D)
+        index = int(torch.randint(count, (), generator=generator))
+        seed = int(torch.randint(2**62, (), generator=generator))
+    raise UsageError(f"no training sample kept after {MAX_REFETCH} tries (the last left out: {reason}); see "
+                     f"docs/training.md, 'Samples left out'")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,7 +300,9 @@ class PoseDataset:
         return len(self.people)
 
     def __getitem__(self, key) -> dict:
-        index, seed = key
+        return refetching(self.make_sample, key, len(self), self.min_visible > 1)
+
+    def make_sample(self, index: int, seed: int) -> tuple[dict, str | None]:
         person = self.people[index]
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(person["file"]).float()
@@ -243,7 +315,14 @@ class PoseDataset:
         return {"pixel_values": processing.normalize(pixels), "labels": heatmaps, "label_weights": weights,
                 "keypoints": person["keypoints"][crop.order], "to_source": crop.to_source,
                 "bbox": torch.tensor(person["bbox"]), "area": torch.tensor(person["area"]),
-                "flipped": torch.tensor(draws.flip)}
+                "flipped": torch.tensor(draws.flip)}, crop_drop_reason(crop.visible)
+
+
+MIN_CROP_KEYPOINTS = 3  # pose_base_dataset.py:76: "absolute minimum visible keypoints is 3" (after the crop)
+
+
+def crop_drop_reason(visible: torch.Tensor) -> str | None:
+    return f"fewer than {MIN_CROP_KEYPOINTS} keypoints in the crop" if int(visible.sum()) < MIN_CROP_KEYPOINTS else None
 
 
 MIN_VISIBLE_KEYPOINTS = 8  # the released loaders' min_visible_keypoints (pose/configs/_base_/keypoints308.py:790)
@@ -317,7 +396,7 @@ def build_dataset(task: str, root: Path, split: str, size, augment: bool, info: 
         if dataset.meta["keypoint_names"] != info["keypoint_names"]:
             raise UsageError(f"{folder / 'annotations.json'}: its keypoint names differ from train/'s")
         return dataset
-    return DenseDataset(task, folder, size, augment, class_names=info.get("class_names"))
+    return DenseDataset(task, folder, size, augment, class_names=info.get("class_names"), drop_rules=split == "train")
 
 
 def collate(samples: list[dict]) -> dict:

@@ -362,3 +362,104 @@ def test_pose_people_the_original_leaves_out(tmp_path):
     assert dataset.people[1]["box_xyxy"].tolist() == [0, 0, 40, 40]
     evaluation = datasets.PoseDataset(tmp_path / "train", SIZE, False)  # val keeps the sparse people
     assert len(evaluation) == 4 and evaluation.dropped == {"box outside the image": 1, "keypoints all at (0, 0)": 1}
+
+
+def save_png(path: Path, array):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.asarray(array, np.uint8)).save(path)
+
+
+def dense_set(task: str, folder: Path, targets: dict, masks: dict | None = None) -> datasets.DenseDataset:
+    """A folder of 64x48 images with the given targets (and masks/), as a training set with the drop rules."""
+    for name, target in targets.items():
+        save_png(folder / "images" / f"{name}.png", np.full((64, 48, 3), 100))
+        if task in ("normal", "pointmap"):
+            (folder / dataset_folder(task)).mkdir(parents=True, exist_ok=True)
+            np.save(folder / dataset_folder(task) / f"{name}.npy", target.astype(np.float32))
+        else:
+            save_png(folder / dataset_folder(task) / f"{name}.png", target)
+    for name, mask in (masks or {}).items():
+        save_png(folder / "masks" / f"{name}.png", mask * 255)
+    names = ["background", "person"] if task == "seg" else None
+    return datasets.DenseDataset(task, folder, SIZE, False, class_names=names, drop_rules=True)
+
+
+def dataset_folder(task):
+    from sapiens2_app.dataset_files import TARGET_FOLDERS
+    return TARGET_FOLDERS[task]
+
+
+def kept_and_dropped(dataset, name_of) -> tuple[list, list]:
+    """Per image: (the names whose own sample is kept, those refetched)."""
+    kept, dropped = [], []
+    for index, name in enumerate(dataset.names):
+        sample = dataset[(index, 7)]
+        (dropped if sample["dropped"] > 0 else kept).append(name)
+        assert name_of(sample) in kept + [n for n in dataset.names if n not in dropped]  # a kept one replaces it
+    return sorted(kept), sorted(dropped)
+
+
+def test_seg_samples_under_one_percent_foreground_are_refetched(tmp_path):
+    few = np.zeros((64, 48), np.uint8)
+    few[:2, :10] = 1  # 20 of 3072 pixels: 0.65%
+    enough = np.zeros((64, 48), np.uint8)
+    enough[:4, :10] = 1  # 1.3%
+    ignored = np.full((64, 48), 255, np.uint8)  # 255 is not foreground
+    dataset = dense_set("seg", tmp_path, {"few": few, "enough": enough, "ignored": ignored})
+    kept, dropped = kept_and_dropped(dataset, lambda s: "enough")
+    assert (kept, dropped) == (["enough"], ["few", "ignored"])
+    sample = dataset.make_sample(dataset.names.index("few"), 0)[0]
+    assert datasets.dense_drop_reason("seg", sample, False) == "under 1% foreground"
+
+
+def test_normal_and_albedo_masks_the_original_leaves_out(tmp_path):
+    """> 96% valid or < 16 valid pixels: left out where masks/ (albedo: the alpha channel) says which pixels are
+    valid; a set without masks keeps its (all valid) samples."""
+    normals = np.tile(np.array([0, 0, -1.0]), (64, 48, 1))
+    full, tiny, half = np.ones((64, 48)), np.zeros((64, 48)), np.zeros((64, 48))
+    tiny[:3, :5] = 1  # 15 pixels
+    half[:32] = 1
+    masked = dense_set("normal", tmp_path / "n", {"full": normals, "tiny": normals, "half": normals},
+                       {"full": full, "tiny": tiny, "half": half})
+    assert kept_and_dropped(masked, lambda s: "half" if s["mask"].mean() == 0.5 else "?") == (["half"], ["full", "tiny"])
+    unmasked = dense_set("normal", tmp_path / "u", {"a": normals})
+    assert unmasked[(0, 0)]["dropped"] == 0
+    rgba = np.concatenate([np.full((64, 48, 3), 50), np.full((64, 48, 1), 255)], -1)
+    rgba_half = rgba.copy()
+    rgba_half[32:, :, 3] = 0
+    albedo = dense_set("albedo", tmp_path / "a", {"opaque": rgba, "half": rgba_half, "rgb": rgba[..., :3]})
+    kept, dropped = kept_and_dropped(albedo, lambda s: "half" if s["mask"].mean() == 0.5 else "rgb")
+    assert (kept, dropped) == (["half", "rgb"], ["opaque"])
+
+
+def test_pointmap_inside_the_canonical_camera_is_refetched(tmp_path):
+    """Canonical depth (metric depth x 768 / the focal length in network pixels) under 0.04 is left out."""
+    v, u = np.mgrid[0:64, 0:48].astype(np.float32)
+
+    def plane(depth):
+        return np.stack([(u - 23.5) * depth / 500, (v - 31.5) * depth / 500, np.full_like(u, depth)], -1)
+    mask = np.zeros((64, 48))
+    mask[10:50, 10:40] = 1  # 39% valid
+    dataset = dense_set("pointmap", tmp_path, {"near": plane(0.02), "far": plane(3.0)}, {"near": mask, "far": mask})
+    sample = dataset.make_sample(dataset.names.index("near"), 0)[0]
+    assert 0 < sample["labels"][2][sample["mask"][0] > 0].max() < 0.04  # 0.02 x 768 / 500
+    assert kept_and_dropped(dataset, lambda s: "far") == (["far"], ["near"])
+
+
+def test_pose_crops_with_under_three_keypoints_are_refetched(tmp_path):
+    """pose_base_dataset.py:76: fewer than 3 visible keypoints in the crop -> another person."""
+    write_pose_set(tmp_path / "train", [([5, 5, 30, 40], keypoints_with(17))])
+    dataset = datasets.PoseDataset(tmp_path / "train", SIZE, True, min_visible=datasets.MIN_VISIBLE_KEYPOINTS)
+    sample, reason = dataset.make_sample(0, 0)
+    assert reason is None and datasets.crop_drop_reason(torch.tensor([True, True] + [False] * 15)) is not None
+
+
+def test_train_logs_the_samples_it_left_out(tmp_path):
+    """train.py notes the people left out at load time and logs, per window, the samples refetched."""
+    from test_train import make_dataset, read_log, run_train, tiny_backbone
+    data = make_dataset("seg", tmp_path / "data", count=2)
+    save_png(data / "train" / "masks" / "im0.png", np.zeros((64, 48)))  # no foreground: always refetched
+    assert run_train("seg", data, tmp_path / "out", tiny_backbone(tmp_path), "--steps", 2, "--batch-size", 2,
+                     "--log-every", 1) == 0
+    windows = [record["dropped_samples"] for record in read_log(tmp_path / "out") if "loss" in record]
+    assert len(windows) == 2 and all(n >= 1 for n in windows)  # each step fetches im0 (and may draw it again)
