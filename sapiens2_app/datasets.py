@@ -27,8 +27,9 @@ from PIL import Image
 
 import processing
 from heads import CANONICAL_FOCAL
-from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, chance, clip_box, color_jitter, draw_pose,
-                                       pose_crop, pose_pixels, random_box, resample_box, whole_image_box)
+from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, clip_box, continuous_crop, dense_pixels,
+                                       dense_source_pixels, draw_dense, draw_pose, inside, pose_crop, pose_pixels,
+                                       resample_affine, resample_box, seg_geometry, source_points, whole_image_box)
 from sapiens2_app.cli import UsageError
 from sapiens2_app.dataset_files import (IGNORE, TARGET_FOLDERS, TARGET_SUFFIX, check_size, fit_intrinsics,
                                         flip_order, flip_pairs_from_names, header_size, keypoint_set, list_images,
@@ -114,29 +115,73 @@ class DenseDataset:
         image = processing.load_image(self.images[name]).float()
         image_size = tuple(image.shape[-2:])
         target, mask, K = self.read_target(name, image_size)
-        box = whole_image_box(self.task, image_size, self.size)
-        flip = False
-        if self.augment:
-            box = random_box(self.task, image_size, self.size, generator)
-            flip = chance(generator, 0.5)
-            image = color_jitter(image, generator)
-        sample = {"pixel_values": processing.normalize(resample_box(image, box, self.size, "bilinear"))}
-        label_mode = "bilinear" if self.task in ("matting", "albedo") else "nearest"
-        fill = float(IGNORE) if self.task == "seg" else 0.0
-        target = resample_box(target, box, self.size, label_mode, fill)
-        if mask is not None:
-            mask = resample_box(mask, box, self.size, "nearest")
-        if flip:
-            sample["pixel_values"] = sample["pixel_values"].flip(-1)
-            target = target.flip(-1)
-            mask = mask.flip(-1) if mask is not None else None
-            if self.task in ("normal", "pointmap"):
-                target[0] = -target[0]  # mirrored camera frame: x points the other way
-            if self.task == "seg":
-                target = self.class_flip[target.long()].float()
+        if not self.augment:
+            box, flip = whole_image_box(self.task, image_size, self.size), False
+            pixels, target, mask = self.resampled(image, target, mask, box, box)
+        elif self.task == "seg":
+            draws = draw_dense(self.task, generator)
+            pixels, target = self.seg_augmented(image, target, draws)
+            box, flip = None, draws.flip
+        else:
+            draws = draw_dense(self.task, generator)
+            image = dense_source_pixels(self.task, image, draws)
+            box, image_box, window, image_window, image = self.augmented_boxes(image, draws)
+            pixels, target, mask = self.resampled(image, target, mask, box, image_box, window, image_window)
+            pixels = pixels.clamp(0, 255).round()
+            flip = draws.flip
+            if flip:
+                pixels, target = pixels.flip(-1), target.flip(-1)
+                mask = mask.flip(-1) if mask is not None else None
+                if self.task in ("normal", "pointmap"):
+                    target[0] = -target[0]  # mirrored camera frame: x points the other way
+            pixels = dense_pixels(self.task, pixels, draws)
+        sample = {"pixel_values": processing.normalize(pixels)}
         self.finish(sample, target, mask, K, box, flip)
         sample["flipped"] = torch.tensor(flip)
         return sample, dense_drop_reason(self.task, sample, name in self.masked)
+
+    def resampled(self, image, target, mask, box, image_box, window=None, image_window=None):
+        """The box's pixels (image_box: the same in the image's own pixels, which a random scale resized), target
+        and mask at the network size; outside the window (a crop), 0 as the original's padding."""
+        label_mode = "bilinear" if self.task in ("matting", "albedo") else "nearest"
+        fill = float(IGNORE) if self.task == "seg" else 0.0
+        pixels = resample_box(image, image_box, self.size, "bilinear", window=image_window)
+        target = resample_box(target, box, self.size, label_mode, fill, window=window)
+        if mask is not None:
+            mask = resample_box(mask, box, self.size, "nearest", window=window)
+        return pixels, target, mask
+
+    def augmented_boxes(self, image, draws):
+        """normal, pointmap, albedo (and matting): {Normal,...}RandomScale of the image, RandomCropContinuous, and
+        the resize and pad to the network size (Resize): the box, in source pixels and in the (scaled) image's,
+        and the crop window in both."""
+        h, w = image.shape[-2:]
+        scaled = (int(round(h * draws.scale)), int(round(w * draws.scale))) if draws.scale else (h, w)
+        crop = continuous_crop(scaled, draws.crop) if draws.crop else None
+        x0, y0, cw, ch = crop or (0, 0, scaled[1], scaled[0])
+        bx, by, bw, bh = whole_image_box(self.task, (ch, cw), self.size)
+        image_box, image_window = (x0 + bx, y0 + by, bw, bh), (x0, y0, cw, ch)
+        fx, fy = w / scaled[1], h / scaled[0]  # edge coordinates scale exactly
+
+        def to_source(b):
+            return (b[0] * fx, b[1] * fy, b[2] * fx, b[3] * fy)
+        if draws.scale:
+            image = processing.resize(image, scaled, "bilinear").clamp(0, 255).round()  # cv2.INTER_LINEAR
+        return to_source(image_box), image_box, to_source(image_window), image_window, image
+
+    def seg_augmented(self, image, target, draws):
+        """The seg train_pipeline's geometry in one resampling: its crop's padding is 255 (ignored), what its
+        rotation brings in is background (seg_pad_val=0) and black; then blur, noise, photometric distortion."""
+        geometry = seg_geometry(tuple(image.shape[-2:]), self.size, draws, target[0])
+        pixels = resample_affine(image, geometry.to_source, self.size, "bilinear")
+        labels = resample_affine(target, geometry.to_source, self.size, "nearest")
+        in_source = inside(source_points(geometry.to_source, self.size), image.shape[-2:])
+        in_window = inside(source_points(geometry.to_window, self.size), geometry.window_size)
+        pixels = torch.where(in_source & in_window, pixels, 0.0).clamp(0, 255).round()
+        labels = torch.where(in_window, torch.where(in_source, labels, float(IGNORE)), 0.0)
+        if draws.flip:
+            labels = self.class_flip[labels.long()].float()
+        return dense_pixels("seg", pixels, draws), labels
 
     def read_target(self, name: str, image_size):
         """(target (C, H, W) float, valid mask (1, H, W) or None, intrinsics or None) at the image's size."""
