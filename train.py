@@ -352,7 +352,8 @@ class Run:
             losses.append(self.train_step(step, batches, params))
             done = step + 1
             if done % args.log_every == 0 or done == self.stop:
-                sums = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses), self.dropped], dtype=torch.float64))
+                window = torch.tensor([sum(losses) / len(losses), self.dropped], dtype=torch.float64)
+                sums = dist_info.all_reduce(window)
                 loss, lr = sums[0].item() / dist_info.world, self.learning_rate(step)
                 rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
                 log.write({"step": done, "loss": loss, "lr": lr, "images_per_s": rate,

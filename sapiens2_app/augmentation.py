@@ -1,6 +1,9 @@
-"""Where a training sample's pixels come from: the crop (the whole image as predict.py shows it to the network, or
-a random one), the warps that move the image and its targets together, and colour jitter. Every random choice
-comes from the sample's own generator (datasets.py)."""
+"""Where a training sample's pixels come from, as the original's train_pipelines make them (in torch): the crop (the
+whole image as predict.py shows it to the network, or the pipeline's random one), the warps that move the image and
+its targets together, and the pixel augmentations (photometric distortion with OpenCV's uint8 HSV, blurs, noise,
+dropout). Each task's random choices are drawn in one function (draw_pose, draw_dense) from the sample's own
+generator (datasets.py) and applied by deterministic ones, which tests/test_augmentation.py runs against the
+original's math on the same draws."""
 
 from __future__ import annotations
 
@@ -188,9 +191,7 @@ def resample_affine(maps: torch.Tensor, to_source: torch.Tensor, out_size, mode:
     if mode == "bilinear" and max(step_x, step_y) > 1:
         small = (max(1, round(h / max(step_y, 1))), max(1, round(w / max(step_x, 1))))
         maps = processing.resize(maps.float(), small, "bilinear_antialias")
-        to_small = torch.tensor([[small[1] / w, 0, 0.5 * small[1] / w - 0.5], [0, small[0] / h, 0.5 * small[0] / h - 0.5],
-                                 [0, 0, 1]], dtype=torch.float64)
-        to_source, (h, w) = to_small @ to_source, small
+        to_source, (h, w) = resize_matrix((h, w), small) @ to_source.double(), small
     source = source_points(to_source, out_size)  # (H, W, 2)
     grid = torch.stack([(2 * source[..., 0] + 1) / w - 1, (2 * source[..., 1] + 1) / h - 1], -1).float()[None]
     return F.grid_sample(maps[None].float(), grid, mode=mode, padding_mode="border", align_corners=False)[0]
@@ -325,7 +326,7 @@ DROPOUT_SIZE = (0.2, 0.4)  # CoarseDropout: one hole, height and width these sha
 
 @dataclass(frozen=True)
 class Photometric:
-    """PhotoMetricDistortion's choices (engine/datasets/transforms/common_transforms.py:72): None = that part skipped."""
+    """PhotoMetricDistortion's choices (engine/datasets/transforms/common_transforms.py:72); None: part skipped."""
     brightness: float | None  # added, in [-32, 32]
     contrast: float | None  # factor in [0.5, 1.5]
     contrast_first: bool  # contrast before saturation and hue (its `mode == 1`), else after them

@@ -384,10 +384,10 @@ def drop_reason(box_xyxy, keypoints, image_size, min_visible: int) -> str | None
         return "keypoints all at (0, 0)"
     height, width = image_size
     x, y = keypoints[:, 0], keypoints[:, 1]
-    inside = (x > 0) & (x < width) & (y > 0) & (y < height)
+    in_image = (x > 0) & (x < width) & (y > 0) & (y < height)
     if not (keypoints[:, 2] > 0).any():
         return "no visible keypoint"
-    if min_visible > 1 and int(((keypoints[:, 2] > 0) & inside).sum()) < min_visible:
+    if min_visible > 1 and int(((keypoints[:, 2] > 0) & in_image).sum()) < min_visible:
         return f"fewer than {min_visible} visible keypoints in the image"
     return None
 

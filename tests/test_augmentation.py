@@ -369,10 +369,11 @@ def save_png(path: Path, array):
     Image.fromarray(np.asarray(array, np.uint8)).save(path)
 
 
-def dense_set(task: str, folder: Path, targets: dict, masks: dict | None = None) -> datasets.DenseDataset:
-    """A folder of 64x48 images with the given targets (and masks/), as a training set with the drop rules."""
+def dense_set(task: str, folder: Path, targets: dict, masks: dict | None = None, image=None) -> datasets.DenseDataset:
+    """A folder of images (grey 64x48, or `image`) with the given targets (and masks/), as a training set with the
+    drop rules."""
     for name, target in targets.items():
-        save_png(folder / "images" / f"{name}.png", np.full((64, 48, 3), 100))
+        save_png(folder / "images" / f"{name}.png", np.full((64, 48, 3), 100) if image is None else image)
         if task in ("normal", "pointmap"):
             (folder / dataset_folder(task)).mkdir(parents=True, exist_ok=True)
             np.save(folder / dataset_folder(task) / f"{name}.npy", target.astype(np.float32))
@@ -421,7 +422,8 @@ def test_normal_and_albedo_masks_the_original_leaves_out(tmp_path):
     half[:32] = 1
     masked = dense_set("normal", tmp_path / "n", {"full": normals, "tiny": normals, "half": normals},
                        {"full": full, "tiny": tiny, "half": half})
-    assert kept_and_dropped(masked, lambda s: "half" if s["mask"].mean() == 0.5 else "?") == (["half"], ["full", "tiny"])
+    kept, dropped = kept_and_dropped(masked, lambda s: "half" if s["mask"].mean() == 0.5 else "?")
+    assert (kept, dropped) == (["half"], ["full", "tiny"])
     unmasked = dense_set("normal", tmp_path / "u", {"a": normals})
     assert unmasked[(0, 0)]["dropped"] == 0
     rgba = np.concatenate([np.full((64, 48, 3), 50), np.full((64, 48, 1), 255)], -1)
@@ -463,3 +465,214 @@ def test_train_logs_the_samples_it_left_out(tmp_path):
                      "--log-every", 1) == 0
     windows = [record["dropped_samples"] for record in read_log(tmp_path / "out") if "loss" in record]
     assert len(windows) == 2 and all(n >= 1 for n in windows)  # each step fetches im0 (and may draw it again)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dense geometry and pixels
+# ----------------------------------------------------------------------------------------------------
+def original_continuous_crop(img, ar_area, corners):
+    """NormalRandomCropContinuous.transform, normal_transforms.py:189-235 (area_range (0.4, 1.0) from the config),
+    random.uniform values from `ar_area`, random.randint(0, margin + 1) values from `corners` (per attempt)."""
+    orig_h, orig_w = img.shape[:2]
+    for (ar, area_frac), corner in zip(ar_area, corners):
+        target_area = area_frac * orig_h * orig_w
+        crop_h = math.sqrt(target_area / ar)
+        crop_w = ar * crop_h
+        if crop_w <= orig_w and crop_h <= orig_h:
+            crop_h, crop_w = int(round(crop_h)), int(round(crop_w))
+            y1, x1 = corner(orig_h - crop_h, orig_w - crop_w)
+            return img[y1:y1 + crop_h, x1:x1 + crop_w, ...]
+    return img
+
+
+def test_continuous_crop_is_the_originals():
+    """300 images and 8-attempt draws: the same crop (its corner may overhang by one pixel, as random.randint(0,
+    margin + 1) allows: the original's slice is then one shorter, and so is ours), or none."""
+    rng = np.random.default_rng(4)
+    cropped = 0
+    for _ in range(300):
+        h, w = int(rng.integers(20, 90)), int(rng.integers(20, 90))
+        attempts = [(rng.uniform(0.5, 2.0), rng.uniform(0.4, 1.0), rng.uniform(), rng.uniform()) for _ in range(8)]
+        coords = np.stack(np.mgrid[0:h, 0:w], -1)  # (y, x) of each pixel
+
+        def corner_of(u_y, u_x):
+            return lambda mh, mw: (min(int(u_y * (mh + 2)), mh + 1), min(int(u_x * (mw + 2)), mw + 1))
+        expected = original_continuous_crop(coords, [a[:2] for a in attempts], [corner_of(*a[2:]) for a in attempts])
+        box = augmentation.continuous_crop((h, w), attempts)
+        if box is None:
+            assert expected.shape == coords.shape
+            continue
+        x0, y0, cw, ch = box
+        assert expected.shape[:2] == (ch, cw) and tuple(expected[0, 0]) == (y0, x0)
+        cropped += 1
+    assert cropped > 200
+
+
+def coordinate_map(h, w) -> np.ndarray:
+    """float32 (h, w, 2): each pixel's own (x, y); linear interpolation moves such a map exactly with its geometry."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    return np.stack([x, y], -1)
+
+
+def test_seg_geometry_is_the_originals_chain():
+    """SegRandomResize (keep ratio) -> SegRandomCrop (padded) -> SegRandomRotate -> SegRandomHorizontalFlip ->
+    SegResize, run with cv2 on a map of source coordinates (INTER_LINEAR: exact for an affine map), against our one
+    composed map. Within 1/32 of a window pixel (warpAffine rounds its coordinates to 1/32 pixel), away from the
+    borders (where interpolation meets the padding)."""
+    rng = np.random.default_rng(5)
+    out_size = (40, 30)
+    for case in range(16):
+        h, w = int(rng.integers(30, 120)), int(rng.integers(30, 120))
+        labels = torch.from_numpy(rng.integers(0, 3, (h, w))).float()
+        draws = augmentation.DenseDraws(seg_resize=float(rng.uniform(0.4, 2.0)), flip=bool(case % 2),
+                                        rotation=float(rng.uniform(-60, 60)) if case % 4 else 0.0,
+                                        seg_crop=tuple((rng.uniform(), rng.uniform()) for _ in range(11))
+                                        if case % 3 else ())
+        geometry = augmentation.seg_geometry((h, w), out_size, draws, labels)
+        # the original's chain (seg_transforms.py:185-248, 292-329, 37-60, 86-88)
+        new_h, new_w = augmentation.seg_resized_size((h, w), out_size, draws.seg_resize)
+        ratio = draws.seg_resize
+        factor = min(int(out_size[1] * ratio) / w, int(out_size[0] * ratio) / h)
+        assert (new_h, new_w) == (int(round(h * factor)), int(round(w * factor)))
+        coords = cv2.resize(coordinate_map(h, w), (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+        if draws.seg_crop:
+            pad_h, pad_w = max(out_size[0] - new_h, 0), max(out_size[1] - new_w, 0)
+            coords = cv2.copyMakeBorder(coords, 0, pad_h, 0, pad_w, cv2.BORDER_CONSTANT, value=-1000)
+            small = processing.resize(labels[None], (new_h, new_w), "nearest")[0]
+            y0, x0 = augmentation.seg_crop_corner(small, out_size, draws.seg_crop)
+            coords = coords[y0:y0 + out_size[0], x0:x0 + out_size[1]]
+        wh, ww = coords.shape[:2]
+        if draws.rotation:
+            M = cv2.getRotationMatrix2D((ww / 2, wh / 2), draws.rotation, 1.0)
+            coords = cv2.warpAffine(coords, M, (ww, wh), flags=cv2.INTER_LINEAR, borderValue=-1000)
+        if draws.flip:
+            coords = cv2.flip(coords, 1)
+        coords = cv2.resize(coords, (out_size[1], out_size[0]), interpolation=cv2.INTER_LINEAR)
+        ours = augmentation.source_points(geometry.to_source, out_size).numpy()
+        window = augmentation.source_points(geometry.to_window, out_size).numpy()
+        step = w / new_w  # source pixels per window pixel
+        stretched = augmentation.source_points(augmentation.resize_matrix(out_size, (wh, ww)), out_size).numpy()
+        interior = ((window >= 1.5) & (window <= np.array([ww, wh]) - 2.5)).all(-1) & (
+            (ours >= 2 * step) & (ours <= np.array([w, h]) - 1 - 2 * step)).all(-1) & (
+            (stretched >= 0.5) & (stretched <= np.array([ww, wh]) - 1.5)).all(-1)  # SegResize clamps its border
+        assert interior.sum() > 30, case  # a small resized image padded to the crop leaves fewer
+        np.testing.assert_allclose(ours[interior], coords[interior], atol=step / 32 + 1e-3, err_msg=str(case))
+
+
+def test_normal_geometry_is_the_originals_chain(tmp_path):
+    """NormalRandomScale -> NormalRandomCropContinuous -> NormalRandomFlip -> NormalResize (resize, centred on a
+    black canvas) on a source-coordinate map, against our box: within one output pixel (the original rounds the
+    resized size and the canvas offset to whole pixels; ours is the exact centred box, as predict.py's)."""
+    rng = np.random.default_rng(6)
+    out_size = (40, 30)
+    for case in range(12):
+        h, w = int(rng.integers(30, 100)), int(rng.integers(30, 100))
+        draws = augmentation.DenseDraws(
+            scale=float(rng.uniform(0.5, 2.0)) if case % 2 else None, flip=bool(case % 3),
+            crop=tuple((rng.uniform(0.5, 2), rng.uniform(0.4, 1), rng.uniform(), rng.uniform()) for _ in range(8)))
+        dataset = datasets.DenseDataset.__new__(datasets.DenseDataset)
+        dataset.task, dataset.size = "normal", out_size
+        box, _, window, _, _ = dataset.augmented_boxes(torch.zeros(3, h, w), draws)
+        # the original's chain on coordinates (normal_transforms.py:36-45, 189-235, 258-295, 340-341)
+        coords = coordinate_map(h, w)
+        if draws.scale:
+            coords = cv2.resize(coords, (int(round(w * draws.scale)), int(round(h * draws.scale))),
+                                interpolation=cv2.INTER_LINEAR)
+        x0, y0, cw, ch = augmentation.continuous_crop(coords.shape[:2], draws.crop)
+        coords = coords[y0:y0 + ch, x0:x0 + cw]
+        if draws.flip:
+            coords = cv2.flip(coords, 1)
+        factor = min(out_size[1] / cw, out_size[0] / ch)
+        new_w, new_h = int(round(cw * factor)), int(round(ch * factor))
+        resized = cv2.resize(coords, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+        canvas = np.full((*out_size, 2), np.nan, np.float32)
+        off_x, off_y = (out_size[1] - new_w) // 2, (out_size[0] - new_h) // 2
+        canvas[off_y:off_y + new_h, off_x:off_x + new_w] = resized
+        xs = box[0] + (np.arange(out_size[1]) + 0.5) * box[2] / out_size[1] - 0.5
+        ys = box[1] + (np.arange(out_size[0]) + 0.5) * box[3] / out_size[0] - 0.5
+        ours = np.stack(np.meshgrid(xs, ys), -1)
+        if draws.flip:
+            ours = ours[:, ::-1]
+        step = box[2] / out_size[1]  # source pixels per output pixel
+        in_crop = ((ours >= np.array(window[:2]) + 1.5 * step) &
+                   (ours <= np.array(window[:2]) + np.array(window[2:]) - 1 - 1.5 * step)).all(-1)
+        valid = in_crop & np.isfinite(canvas).all(-1)
+        assert valid.sum() > 100
+        assert np.abs(ours[valid] - canvas[valid]).max() <= step + 1e-3, case
+
+
+def test_dense_pixel_augmentations_are_the_originals():
+    """RandomGaussianBlur = cv2.GaussianBlur 3x3 (within 1 level: OpenCV's 8-bit kernel is fixed point), noise
+    clipped and truncated, RandomSolarize exact, RandomDownUpSampleImage within 2 levels (two resizes, each within
+    1 of OpenCV: processing.resize)."""
+    rng = np.random.default_rng(7)
+    image = smooth_image(rng, 33, 27)
+    image[::5, ::3] = 255
+    for sigma in (0.3, 1.0, 2.0):
+        ours = augmentation.gaussian_blur(to_tensor(image), sigma)
+        assert (ours - to_tensor(cv2.GaussianBlur(image, (3, 3), sigma))).abs().max() <= 1
+    noise = torch.randn((3, 33, 27), generator=torch.Generator().manual_seed(5)) * 3.0
+    noisy = np.clip(image.astype(np.float32) + noise.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
+    assert torch.equal(augmentation.gaussian_noise(to_tensor(image), 3.0, 5), to_tensor(noisy))
+    solarized = image.copy()
+    solarized[solarized > 128] = 255 - solarized[solarized > 128]  # common_transforms.py:416-417
+    assert torch.equal(augmentation.solarize(to_tensor(image)), to_tensor(solarized))
+    methods = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC,
+               "area": cv2.INTER_AREA}
+    for down, up in (("area", "bilinear"), ("bilinear", "bicubic"), ("nearest", "area")):
+        small = cv2.resize(image, (max(1, int(27 * 0.4)), max(1, int(33 * 0.4))), interpolation=methods[down])
+        expected = cv2.resize(small, (27, 33), interpolation=methods[up])
+        ours = augmentation.down_up(to_tensor(image), 0.4, down, up)
+        assert (ours - to_tensor(expected)).abs().max() <= 2, (down, up)
+
+
+@pytest.mark.parametrize("task", ["seg", "normal", "pointmap", "albedo"])
+def test_dense_draws_follow_the_configs(task):
+    """600 draws per task: each choice at its config's probability (within 4 standard errors), in its range."""
+    generator = torch.Generator().manual_seed(1)
+    n = 600
+    draws = [augmentation.draw_dense(task, generator) for _ in range(n)]
+
+    def share(values, p):
+        assert abs(np.mean(values) - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-9, (task, np.mean(values), p)
+    seg = task == "seg"
+    share([d.flip for d in draws], 0.5 if seg else 0.3)
+    share([d.photometric is not None for d in draws], 0.0 if task == "albedo" else 1.0)
+    share([d.scale is not None for d in draws], 0.0 if seg else 0.3)
+    share([bool(d.crop) for d in draws], 0.0 if seg else 0.3)
+    share([bool(d.seg_crop) for d in draws], 0.3 if seg else 0.0)
+    share([d.rotation != 0 for d in draws], 0.5 if seg else 0.0)
+    share([d.down_up is not None for d in draws], 0.2 if task == "normal" else 0.0)
+    blur, noise, solarize = {"seg": (0.3, 0.3, 0), "normal": (0.3, 0.3, 0.3), "pointmap": (0, 0, 0),
+                             "albedo": (0, 0.2, 0)}[task]
+    share([d.blur_sigma > 0 for d in draws], blur)
+    share([d.noise is not None for d in draws], noise)
+    share([d.solarize for d in draws], solarize)
+    for d in draws:
+        assert d.scale is None or 0.5 <= d.scale <= 2.0
+        assert abs(d.rotation) <= 60 and (not seg or 0.4 <= d.seg_resize <= 2.0)
+        assert d.noise is None or math.sqrt(5) <= d.noise[0] <= math.sqrt(20)
+        assert all(0.5 <= a <= 2.0 and 0.4 <= s <= 1.0 for a, s, _, _ in d.crop)
+
+
+def test_augmented_dense_samples_keep_targets_on_the_pixels(tmp_path):
+    """An augmented seg sample: rotation brings in background (0) with black pixels, a crop's padding is ignored
+    (255) and black; classes stay on their colours (red = 1)."""
+    image = np.zeros((80, 60, 3), np.uint8)
+    image[20:60, 15:45] = (220, 30, 30)
+    labels = np.zeros((80, 60), np.uint8)
+    labels[20:60, 15:45] = 1
+    dataset = dense_set("seg", tmp_path, {"a": labels}, image=image)
+    dataset.augment = True
+    checked = 0
+    for seed in range(12):
+        sample, _ = dataset.make_sample(0, seed)
+        pixels = sample["pixel_values"] * torch.tensor(processing.IMAGENET_STD).view(3, 1, 1) * 255 + torch.tensor(
+            processing.IMAGENET_MEAN).view(3, 1, 1) * 255
+        red = (pixels[0] > pixels[1] + 60)
+        if red.sum() > 30:
+            assert (sample["labels"][red] == 1).float().mean() > 0.9
+            checked += 1
+        black = pixels.amax(0) < 1
+        assert set(sample["labels"][black].unique().tolist()) <= {0, 255}
+    assert checked >= 6
