@@ -78,6 +78,7 @@ class DenseDraws:
     blur_sigma: float = 0.0  # gaussian 3x3 blur, 0 = none
     noise: tuple[float, int] | None = None  # (standard deviation, seed of the noise field)
     solarize: bool = False
+    background: float | None = None  # seg: which background photo (a share of their list), None = none
 
 
 def draw_dense(task: str, generator: torch.Generator) -> DenseDraws:
@@ -103,6 +104,8 @@ def draw_dense(task: str, generator: torch.Generator) -> DenseDraws:
     noise = (math.sqrt(uniform(generator, *NOISE_VARIANCE)), randint(generator, 0, 2**31 - 1))
     noise = noise if chance(generator, noise_p) else None
     solarize = chance(generator, solarize_p)
+    background = uniform(generator, 0, 1)
+    background = background if task == "seg" and chance(generator, BACKGROUND_PROB) else None
     if task == "seg":
         scale, crop = None, ()
     else:
@@ -110,7 +113,7 @@ def draw_dense(task: str, generator: torch.Generator) -> DenseDraws:
     if task == "matting":  # no original training pipeline: the normal-type crop and flip only
         photometric = None
     return DenseDraws(photometric, down_up, scale, crop, seg_resize, seg_crop, rotation, flip, blur_sigma, noise,
-                      solarize)
+                      solarize, background)
 
 
 def continuous_crop(image_size, attempts) -> tuple[int, int, int, int] | None:
@@ -628,3 +631,75 @@ def dense_source_pixels(task: str, image: torch.Tensor, draws: DenseDraws) -> to
     if draws.down_up is not None:
         image = down_up(image, *draws.down_up)
     return image
+
+
+# ----------------------------------------------------------------------------------------------------
+# Seg: random background (SegRandomBackground, seg_transforms.py:345-479)
+# ----------------------------------------------------------------------------------------------------
+BACKGROUND_PROB = 0.8
+SRGB_TO_XYZ = torch.tensor([[0.412453, 0.357580, 0.180423], [0.212671, 0.715160, 0.072169],
+                            [0.019334, 0.119193, 0.950227]], dtype=torch.float64)  # OpenCV's, D65
+WHITE = torch.tensor([0.950456, 1.0, 1.088754], dtype=torch.float64)
+
+
+def rgb_to_lab_uint8(image: torch.Tensor) -> torch.Tensor:
+    """cv2.cvtColor(COLOR_RGB2Lab) on uint8, in float: L x 255/100, a + 128, b + 128, rounded (OpenCV's tables
+    and fixed point land within 1 level of it)."""
+    rgb = image.double() / 255
+    linear = torch.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    xyz = torch.einsum("ij,jhw->ihw", SRGB_TO_XYZ, linear) / WHITE.view(3, 1, 1)
+    f = torch.where(xyz > 0.008856, xyz.clamp(min=0) ** (1 / 3), 7.787 * xyz + 16 / 116)
+    lightness = torch.where(xyz[1] > 0.008856, 116 * f[1] - 16, 903.3 * xyz[1])
+    lab = torch.stack([lightness * 255 / 100, 500 * (f[0] - f[1]) + 128, 200 * (f[1] - f[2]) + 128])
+    return lab.round().clamp(0, 255)
+
+
+def lab_to_rgb_uint8(lab: torch.Tensor) -> torch.Tensor:
+    """cv2.cvtColor(COLOR_Lab2RGB) on uint8, in float (the inverse of rgb_to_lab_uint8), rounded."""
+    lightness, a, b = lab.double()[0] * 100 / 255, lab.double()[1] - 128, lab.double()[2] - 128
+    fy = torch.where(lightness <= 8, 7.787 * lightness / 903.3 + 16 / 116, (lightness + 16) / 116)
+    y = torch.where(lightness <= 8, lightness / 903.3, fy**3)
+    fx, fz = a / 500 + fy, fy - b / 200
+
+    def inverse_f(t):
+        return torch.where(t > 0.206893, t**3, (t - 16 / 116) / 7.787)
+    xyz = torch.stack([inverse_f(fx), y, inverse_f(fz)]) * WHITE.view(3, 1, 1)
+    linear = torch.einsum("ij,jhw->ihw", torch.linalg.inv(SRGB_TO_XYZ), xyz).clamp(0, 1)
+    rgb = torch.where(linear <= 0.0031308, 12.92 * linear, 1.055 * linear ** (1 / 2.4) - 0.055)
+    return (rgb * 255).round().clamp(0, 255)
+
+
+def fit_background(background: torch.Tensor, image_size) -> torch.Tensor:
+    """The background resized to the image's height (aspect kept, cv2's default bilinear), centred and cut to its
+    width, or resized to its size when narrower (seg_transforms.py:394-418)."""
+    h, w = image_size
+    bh, bw = background.shape[-2:]
+    new_w = int(h * bw / bh)
+    background = processing.resize(background.float(), (h, new_w), "bilinear").clamp(0, 255).round()
+    if new_w > w:
+        start = (new_w - w) // 2
+        background = background[..., start:start + w]
+    if tuple(background.shape[-2:]) != (h, w):
+        background = processing.resize(background, (h, w), "bilinear").clamp(0, 255).round()
+    return background
+
+
+def random_background(image: torch.Tensor, labels: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
+    """(3, H, W) grey levels: the person (labels > 0) pasted on the background, then recoloured to the background's
+    Lab statistics (Reinhard's colour transfer, as the original's reinhard_alpha)."""
+    alpha = (labels > 0).double()  # (H, W)
+    composite = (alpha * image + (1 - alpha) * fit_background(background, image.shape[-2:])).trunc()
+    lab = rgb_to_lab_uint8(composite)
+
+    def mean_std(weights):
+        total = weights.sum()
+        mean = (lab * weights).sum((1, 2)) / total
+        return mean, (((lab - mean.view(3, 1, 1)) ** 2 * weights).sum((1, 2)) / total).sqrt()
+    if alpha.sum() == 0 or alpha.sum() == alpha.numel():
+        return composite.float()  # NOTE: the original divides by a zero weight here (NaN colours); nothing to do
+    bg_mean, bg_std = mean_std(1 - alpha)
+    fg_mean, fg_std = mean_std(alpha)
+    fg_std = fg_std.clamp(min=1e-6)
+    ratio, offset = bg_std / fg_std, bg_mean - fg_mean * bg_std / fg_std
+    transferred = lab_to_rgb_uint8((lab * ratio.view(3, 1, 1) + offset.view(3, 1, 1)).abs().round().clamp(0, 255))
+    return (transferred * alpha + composite * (1 - alpha)).trunc().float()

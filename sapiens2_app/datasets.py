@@ -29,11 +29,12 @@ import processing
 from heads import CANONICAL_FOCAL
 from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, clip_box, continuous_crop, dense_pixels,
                                        dense_source_pixels, draw_dense, draw_pose, inside, pose_crop, pose_pixels,
-                                       resample_affine, resample_box, seg_geometry, source_points, whole_image_box)
+                                       random_background, resample_affine, resample_box, seg_geometry, source_points,
+                                       whole_image_box)
 from sapiens2_app.cli import UsageError
-from sapiens2_app.dataset_files import (IGNORE, TARGET_FOLDERS, TARGET_SUFFIX, check_size, fit_intrinsics,
-                                        flip_order, flip_pairs_from_names, header_size, keypoint_set, list_images,
-                                        paired_files, read_annotations, read_class_ids, read_classes,
+from sapiens2_app.dataset_files import (IGNORE, IMAGE_SUFFIXES, TARGET_FOLDERS, TARGET_SUFFIX, check_size,
+                                        fit_intrinsics, flip_order, flip_pairs_from_names, header_size, keypoint_set,
+                                        list_images, paired_files, read_annotations, read_class_ids, read_classes,
                                         read_intrinsics, read_npy, read_png, split_folder)
 from sapiens2_app.targets import heatmap_sigma, udp_heatmaps
 
@@ -72,6 +73,9 @@ class DenseDataset:
         self.intrinsics = read_intrinsics(self.folder, self.names) if task == "pointmap" else None
         self.check_sizes()
         self.masked = self.names_with_masks()
+        backgrounds = self.folder.parent / "backgrounds"  # seg: photos to paste the people on (optional)
+        self.backgrounds = sorted(path for path in backgrounds.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES
+                                  ) if task == "seg" and backgrounds.is_dir() else []
 
     def names_with_masks(self) -> set[str]:
         """The images whose valid pixels a file gives (masks/, or albedo's alpha channel); the others are valid
@@ -172,6 +176,9 @@ class DenseDataset:
     def seg_augmented(self, image, target, draws):
         """The seg train_pipeline's geometry in one resampling: its crop's padding is 255 (ignored), what its
         rotation brings in is background (seg_pad_val=0) and black; then blur, noise, photometric distortion."""
+        if draws.background is not None and self.backgrounds:  # SegRandomBackground, first in the pipeline
+            background = self.backgrounds[min(int(draws.background * len(self.backgrounds)), len(self.backgrounds) - 1)]
+            image = random_background(image, target[0], processing.load_image(background))
         geometry = seg_geometry(tuple(image.shape[-2:]), self.size, draws, target[0])
         pixels = resample_affine(image, geometry.to_source, self.size, "bilinear")
         labels = resample_affine(target, geometry.to_source, self.size, "nearest")

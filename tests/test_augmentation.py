@@ -643,6 +643,7 @@ def test_dense_draws_follow_the_configs(task):
     share([bool(d.seg_crop) for d in draws], 0.3 if seg else 0.0)
     share([d.rotation != 0 for d in draws], 0.5 if seg else 0.0)
     share([d.down_up is not None for d in draws], 0.2 if task == "normal" else 0.0)
+    share([d.background is not None for d in draws], 0.8 if seg else 0.0)
     blur, noise, solarize = {"seg": (0.3, 0.3, 0), "normal": (0.3, 0.3, 0.3), "pointmap": (0, 0, 0),
                              "albedo": (0, 0.2, 0)}[task]
     share([d.blur_sigma > 0 for d in draws], blur)
@@ -676,3 +677,71 @@ def test_augmented_dense_samples_keep_targets_on_the_pixels(tmp_path):
         black = pixels.amax(0) < 1
         assert set(sample["labels"][black].unique().tolist()) <= {0, 255}
     assert checked >= 6
+
+
+def original_random_background(image, gt_seg, background):
+    """SegRandomBackground.transform + reinhard_alpha + weighted_mean_std, seg_transforms.py:372-479, on BGR uint8
+    (the background photo passed in instead of random.choice)."""
+    mask = (gt_seg > 0).astype(np.uint8)
+    new_h = image.shape[0]
+    new_w = int(new_h * background.shape[1] / background.shape[0])
+    background = cv2.resize(background, (new_w, new_h))
+    if new_w > image.shape[1]:
+        start_x = (new_w - image.shape[1]) // 2
+        background = background[:, start_x:start_x + image.shape[1]]
+    if background.shape[:2] != image.shape[:2]:
+        background = cv2.resize(background, (image.shape[1], image.shape[0]))
+    alpha = np.stack([mask.astype(np.float32)] * 3, axis=-1)
+    composite = (alpha * image + (1 - alpha) * background).astype(np.uint8)
+    comp_lab = cv2.cvtColor(composite, cv2.COLOR_BGR2Lab)
+
+    def weighted_mean_std(img, weights):
+        weights_3d = np.repeat(weights[:, :, None], img.shape[2], axis=2)
+        total = np.sum(weights_3d, axis=(0, 1))
+        mean = np.sum(img * weights_3d, axis=(0, 1)) / total
+        return mean, np.sqrt(np.sum(((img - mean) ** 2) * weights_3d, axis=(0, 1)) / total)
+    a = mask.astype(np.float32)
+    bg_mean, bg_std = weighted_mean_std(comp_lab, 1 - a)
+    fg_mean, fg_std = weighted_mean_std(comp_lab, a)
+    fg_std = np.maximum(fg_std, 1e-6)
+    trans_lab = cv2.convertScaleAbs(comp_lab * (bg_std / fg_std) + (bg_mean - fg_mean * bg_std / fg_std))
+    trans_img = cv2.cvtColor(trans_lab, cv2.COLOR_Lab2BGR)
+    a3 = np.repeat(a[:, :, None], 3, axis=2)
+    return (trans_img * a3 + composite * (1 - a3)).astype(np.uint8)
+
+
+def test_random_background_is_the_originals():
+    """The person pasted on a wider and a narrower photo and recoloured to its Lab statistics, against the original:
+    the background pixels within 1 grey level (OpenCV's fixed-point bilinear resize); the person's within 2 on 95%
+    of them and 12 at most: OpenCV's 8-bit Lab interpolates a table (our float formula is within 3 levels of it, the
+    inverse within 2), and the transfer multiplies that by the ratio of the Lab deviations."""
+    rng = np.random.default_rng(8)
+    image = smooth_image(rng, 48, 36)
+    labels = np.zeros((48, 36), np.uint8)
+    labels[10:40, 8:28] = rng.integers(1, 4, (30, 20))
+    for bh, bw in ((30, 70), (60, 20)):
+        background = smooth_image(rng, bh, bw)[..., ::-1].copy()
+        expected = original_random_background(image[..., ::-1].copy(), labels, background[..., ::-1].copy())[..., ::-1]
+        ours = augmentation.random_background(to_tensor(image), torch.from_numpy(labels), to_tensor(background))
+        difference = (ours - to_tensor(expected)).abs()
+        person = torch.from_numpy(labels > 0)
+        assert difference[:, person].max() <= 12 and difference[:, person].gt(2).float().mean() < 0.05
+        assert difference[:, person].mean() < 0.7
+        assert difference[:, ~person].max() <= 1
+    lab = augmentation.rgb_to_lab_uint8(to_tensor(image)) - to_tensor(cv2.cvtColor(image, cv2.COLOR_RGB2Lab))
+    assert lab.abs().max() <= 3
+
+
+def test_seg_backgrounds_folder_is_used(tmp_path):
+    """<data>/backgrounds/ photos go behind the people of an augmented seg sample (p 0.8)."""
+    labels = np.zeros((64, 48), np.uint8)
+    labels[20:40, 15:30] = 1
+    dataset = dense_set("seg", tmp_path / "train", {"a": labels})
+    save_png(tmp_path / "backgrounds" / "green.png", np.tile(np.array([0, 255, 0], np.uint8), (50, 50, 1)))
+    dataset = datasets.DenseDataset("seg", tmp_path / "train", SIZE, True, class_names=["bg", "person"])
+    greens = []
+    for seed in range(10):
+        sample, _ = dataset.make_sample(0, seed)
+        green = sample["pixel_values"][1] - sample["pixel_values"][0] > 2  # grey image: green only from the photo
+        greens.append(bool(green[sample["labels"] == 0].float().mean() > 0.5))
+    assert 5 <= sum(greens) < 10
