@@ -177,8 +177,8 @@ class DenseDataset:
         """The seg train_pipeline's geometry in one resampling: its crop's padding is 255 (ignored), what its
         rotation brings in is background (seg_pad_val=0) and black; then blur, noise, photometric distortion."""
         if draws.background is not None and self.backgrounds:  # SegRandomBackground, first in the pipeline
-            background = self.backgrounds[min(int(draws.background * len(self.backgrounds)), len(self.backgrounds) - 1)]
-            image = random_background(image, target[0], processing.load_image(background))
+            pick = min(int(draws.background * len(self.backgrounds)), len(self.backgrounds) - 1)
+            image = random_background(image, target[0], processing.load_image(self.backgrounds[pick]))
         geometry = seg_geometry(tuple(image.shape[-2:]), self.size, draws, target[0])
         pixels = resample_affine(image, geometry.to_source, self.size, "bilinear")
         labels = resample_affine(target, geometry.to_source, self.size, "nearest")
@@ -301,6 +301,7 @@ class PoseDataset:
                  min_visible: int = 1):
         """min_visible: the fewest visible keypoints a person needs (training: MIN_VISIBLE_KEYPOINTS)."""
         self.folder, self.size, self.augment, self.min_visible = Path(folder), tuple(size), augment, min_visible
+        self.drop_rules = min_visible > 1  # training: crops with too few keypoints are refetched too
         self.heatmap_size = (size[0] // heatmap_downscale, size[1] // heatmap_downscale)
         coco, path = read_annotations(self.folder)
         self.meta = keypoint_set(coco, path)
@@ -352,7 +353,7 @@ class PoseDataset:
         return len(self.people)
 
     def __getitem__(self, key) -> dict:
-        return refetching(self.make_sample, key, len(self), self.min_visible > 1)
+        return refetching(self.make_sample, key, len(self), self.drop_rules)
 
     def make_sample(self, index: int, seed: int) -> tuple[dict, str | None]:
         person = self.people[index]

@@ -20,6 +20,7 @@ from PIL import Image
 import processing
 from sapiens2_app import augmentation, datasets
 from sapiens2_app.augmentation import Photometric, PoseDraws
+from sapiens2_app.dataset_files import TARGET_FOLDERS
 
 SIZE = (64, 48)  # network (H, W)
 
@@ -386,7 +387,6 @@ def dense_set(task: str, folder: Path, targets: dict, masks: dict | None = None,
 
 
 def dataset_folder(task):
-    from sapiens2_app.dataset_files import TARGET_FOLDERS
     return TARGET_FOLDERS[task]
 
 
@@ -449,11 +449,17 @@ def test_pointmap_inside_the_canonical_camera_is_refetched(tmp_path):
 
 
 def test_pose_crops_with_under_three_keypoints_are_refetched(tmp_path):
-    """pose_base_dataset.py:76: fewer than 3 visible keypoints in the crop -> another person."""
-    write_pose_set(tmp_path / "train", [([5, 5, 30, 40], keypoints_with(17))])
-    dataset = datasets.PoseDataset(tmp_path / "train", SIZE, True, min_visible=datasets.MIN_VISIBLE_KEYPOINTS)
-    sample, reason = dataset.make_sample(0, 0)
-    assert reason is None and datasets.crop_drop_reason(torch.tensor([True, True] + [False] * 15)) is not None
+    """pose_base_dataset.py:76: fewer than 3 visible keypoints in the crop -> another person, at random."""
+    write_pose_set(tmp_path / "train", [([2, 2, 8, 8], keypoints_with(17, x=30.0, y=50.0)),  # keypoints off its box
+                                        ([5, 5, 30, 40], keypoints_with(17))])
+    dataset = datasets.PoseDataset(tmp_path / "train", SIZE, False, min_visible=datasets.MIN_VISIBLE_KEYPOINTS)
+    assert dataset.make_sample(0, 0)[1] == "fewer than 3 keypoints in the crop" and dataset.make_sample(1, 0)[1] is None
+    for seed in range(3):
+        sample = dataset[(0, seed)]
+        assert sample["dropped"] >= 1 and torch.equal(sample["bbox"], torch.tensor([5.0, 5, 30, 40]))
+    assert dataset[(1, 0)]["dropped"] == 0
+    evaluation = datasets.PoseDataset(tmp_path / "train", SIZE, False)  # evaluation keeps every crop
+    assert evaluation[(0, 0)]["dropped"] == 0
 
 
 def test_train_logs_the_samples_it_left_out(tmp_path):
