@@ -593,15 +593,19 @@ class Sapiens2ForAlbedo(Sapiens2ForTask):
 class Sapiens2ForMatting(Sapiens2ForTask):
     task = "matting"
 
-    def forward(self, pixel_values, labels=None, foregrounds=None, backgrounds=None, images=None) -> MattingOutput:
-        """labels: (B, 1, H, W) alpha in [0, 1]. With foregrounds, backgrounds and images (B, 3, H, W, in
-        [0, 1]) the loss adds the composition term."""
+    def forward(self, pixel_values, labels=None, foregrounds=None, mask=None) -> MattingOutput:
+        """labels: (B, 1, H, W) alpha in [0, 1]. With foregrounds (B, 3, H, W, the premultiplied RGB target in
+        [0, 1]) and mask (B, 1, H, W, where that target is known; default: everywhere) the loss adds the
+        foreground's terms (losses.matting_loss, the upstream's)."""
         out = self.decode_head(self.features(pixel_values)).sigmoid()  # (B, 4, H, W)
         foreground, alpha = out[:, :3], out[:, 3:]
         loss = None
         if labels is not None:
             _check_labels("labels", labels, alpha.shape, "alpha mattes")
-            loss = matting_loss(alpha, labels, foregrounds, backgrounds, images)
+            if foregrounds is not None:
+                _check_labels("foregrounds", foregrounds, foreground.shape, "premultiplied foregrounds")
+                mask = _dense_mask(mask, labels)
+            loss = matting_loss(alpha, labels, foreground, foregrounds, mask)
         return MattingOutput(alpha, foreground, loss)
 
 

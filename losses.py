@@ -1,7 +1,7 @@
 """The training losses of every task, as plain functions: the original training code's, with the weights of the
 released configs (docs/losses.md). The task models in heads.py call them when labels are passed.
 
-Matting has no original training code; its loss is a standard set (docs/losses.md says which).
+Matting: the losses of the upstream matting commit (e07a5f8), which came after the first release.
 """
 
 from __future__ import annotations
@@ -164,27 +164,98 @@ def intrinsics_consistency_loss(pred, mask, intrinsics):
     return torch.where(mask.sum() > 0, torch.nan_to_num(loss, nan=0.0), 0 * pred.sum())
 
 
-def _laplacian_pyramid(x, levels: int = 5):
-    kernel = torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0], device=x.device)
-    kernel = (kernel[:, None] * kernel[None, :] / 256).view(1, 1, 5, 5).to(x.dtype)
-    blur = lambda t: F.conv2d(F.pad(t, (2, 2, 2, 2), mode="reflect"), kernel)  # noqa: E731
+# ----------------------------------------------------------------------------------------------------
+# Matting: the upstream's losses (commit e07a5f8, sapiens/dense/src/models/losses/matting_loss.py, and the config's
+# MattingL1Loss + MattingGradLoss + MattingLaplacianLoss, each weight 1, on alpha and on the masked foreground)
+# ----------------------------------------------------------------------------------------------------
+def _matting_mask_guard(loss, pred, mask):
+    """The upstream returns 0 for an all-invalid mask (here 0 * sum(pred): zero, but attached to the graph)."""
+    return loss if mask is None else torch.where(mask.sum() > 0, loss, 0 * pred.sum())
+
+
+def matting_l1_loss(pred, target, mask=None):
+    """MattingL1Loss: the mean over ALL elements of |P - T| * mask (masked-out elements count in the mean)."""
+    error = (pred - target).abs()
+    error = error if mask is None else error * mask
+    return _matting_mask_guard(_finite(error.mean()), pred, mask)
+
+
+def sobel_gradients(x):
+    """(B, C, H, W) -> (d/dx, d/dy) of the 3x3 Sobel kernels per channel, reflect-padded (compute_sobel_gradients)."""
+    sobel_x = torch.tensor([[-1.0, 0, 1], [-2, 0, 2], [-1, 0, 1]], dtype=x.dtype, device=x.device)
+    kernels = torch.stack([sobel_x, sobel_x.T])[:, None]  # (2, 1, 3, 3): d/dx, d/dy
+    B, C, H, W = x.shape
+    grads = F.conv2d(F.pad(x.reshape(B * C, 1, H, W), (1, 1, 1, 1), mode="reflect"), kernels)  # (B * C, 2, H, W)
+    return grads[:, 0].reshape(B, C, H, W), grads[:, 1].reshape(B, C, H, W)
+
+
+def matting_gradient_loss(pred, target, mask=None):
+    """MattingGradLoss: mean of |‖∇P‖ - ‖∇T‖| * mask, ‖∇‖ = sqrt(gx^2 + gy^2 + 1e-6) of the Sobel
+    gradients."""
+    magnitude = lambda x: torch.sqrt(sum(g.square() for g in sobel_gradients(x)) + 1e-6)  # noqa: E731
+    error = (magnitude(pred) - magnitude(target)).abs()
+    error = error if mask is None else error * mask
+    return _matting_mask_guard(error.mean(), pred, mask)
+
+
+def _gaussian_blur_5x5(x):
+    """The upstream's gauss_convolution: [1 4 6 4 1]^T [1 4 6 4 1] / 256 per channel, reflect-padded."""
+    taps = torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0], dtype=x.dtype, device=x.device)
+    kernel = (taps[:, None] * taps[None, :] / 256).view(1, 1, 5, 5)
+    B, C, H, W = x.shape
+    return F.conv2d(F.pad(x.reshape(B * C, 1, H, W), (2, 2, 2, 2), mode="reflect"), kernel).reshape(B, C, H, W)
+
+
+def laplacian_pyramid(x, levels: int = 5):
+    """The upstream's laplacian_pyramid: levels - 1 band-pass images (each level cropped to even H and W, minus the
+    upsampled blur-and-decimate of itself; the upsampling puts 4x the pixels on the even grid, zeros between, and
+    blurs), then the last low-pass image."""
     bands = []
-    for _ in range(levels):
-        down = blur(x)[:, :, ::2, ::2]
-        up = F.interpolate(down, size=x.shape[-2:], mode="bilinear", align_corners=False)
-        bands.append(x - up)
+    for _ in range(levels - 1):
+        x = x[:, :, : x.shape[2] // 2 * 2, : x.shape[3] // 2 * 2]  # (B, C, even H, even W)
+        down = _gaussian_blur_5x5(x)[:, :, ::2, ::2]
+        up = torch.zeros_like(x)
+        up[:, :, ::2, ::2] = down * 4
+        bands.append(x - _gaussian_blur_5x5(up))
         x = down
-    return bands
+    return bands + [x]
 
 
-def matting_loss(alpha, target, foregrounds=None, backgrounds=None, images=None):
-    """NOTE: no original matting training code exists; this is a standard set (docs/losses.md, matting):
-    alpha L1 + Laplacian-pyramid L1 (5 levels, weights 2^(l-1)) + composition L1 when F, B and I are given."""
+def matting_laplacian_loss(pred, target, mask=None, levels: int = 5):
+    """MattingLaplacianLoss: sum over levels l of 2^l * mean(|P_l m_l - T_l m_l|), divided by the number of levels;
+    m_l is the mask resized (nearest) to level l."""
+    loss = 0
+    for level, (p, t) in enumerate(zip(laplacian_pyramid(pred, levels), laplacian_pyramid(target, levels))):
+        if mask is not None:
+            m = F.interpolate(mask.float(), size=p.shape[2:], mode="nearest")
+            p, t = p * m, t * m
+        loss = loss + 2**level * (p - t).abs().mean()
+    return _matting_mask_guard(loss / levels, pred, mask)
+
+
+MATTING_LOSSES = (matting_l1_loss, matting_gradient_loss, matting_laplacian_loss)  # the config's, each weight 1
+
+
+def matting_loss(alpha, target, pred_foreground=None, foreground=None, mask=None):
+    """The upstream's matting loss: L1 + Sobel-gradient + Laplacian-pyramid on alpha (every pixel), and the same
+    three on the premultiplied foreground where `mask` is set, when a foreground target is given. alpha, target:
+    (B, 1, H, W); pred_foreground, foreground: (B, 3, H, W); mask: (B, 1, H, W), where the foreground target is
+    known (all pixels for an RGBA matte; else the opaque and the fully transparent ones, matting_foreground_target)."""
     alpha, target = alpha.float(), target.float()
-    loss = (alpha - target).abs().mean()
-    loss = loss + sum(2**l * (a - b).abs().mean()
-                      for l, (a, b) in enumerate(zip(_laplacian_pyramid(alpha), _laplacian_pyramid(target))))
-    if foregrounds is not None and backgrounds is not None and images is not None:
-        composite = alpha * foregrounds + (1 - alpha) * backgrounds
-        loss = loss + (composite - images).abs().mean()
+    loss = sum(term(alpha, target) for term in MATTING_LOSSES)
+    if pred_foreground is not None and foreground is not None:
+        pred_foreground, foreground = pred_foreground.float(), foreground.float()
+        mask = torch.ones_like(target) if mask is None else mask.float()
+        loss = loss + sum(term(pred_foreground, foreground, mask) for term in MATTING_LOSSES)
     return loss
+
+
+def matting_foreground_target(alpha, image, foreground=None):
+    """(foreground target, mask, has_foreground) as the upstream's MattingPackInputs builds them for training. With
+    the premultiplied foreground of an RGBA matte ((3, H, W) in [0, 1]): it, every pixel valid. Without (an
+    alpha-only matte): the image's RGB where alpha >= 0.996 (254/255: opaque), 0 elsewhere, valid where opaque or
+    alpha == 0 (the semi-transparent pixels' colours are unknown). alpha: (1, H, W); image: (3, H, W) RGB in [0, 1]."""
+    if foreground is not None:
+        return foreground, torch.ones_like(alpha), True
+    opaque = alpha >= 0.996
+    return image * opaque, (opaque | (alpha == 0)).float(), False

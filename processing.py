@@ -59,7 +59,7 @@ DARK_BLUR_KERNEL = 11  # cv2.GaussianBlur(k=11, sigma=0) in the original UDP dec
 # ----------------------------------------------------------------------------------------------------------------
 # Metadata: keypoints and classes (stored once, in data/*.json), and the flip mapping of mirrored heatmaps
 # ----------------------------------------------------------------------------------------------------------------
-DATA_FILES = ("keypoints308.json", "seg29.json", "openpose.json")
+DATA_FILES = ("keypoints308.json", "seg29.json", "openpose.json", "coco_wholebody133.json")
 INSTALLED_DATA = "sapiens2_data"  # what `pip install` names data/ in site-packages (pyproject.toml's package-dir)
 
 

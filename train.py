@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -35,11 +36,11 @@ import torch
 import heads
 import processing
 from sapiens2 import PRESETS
-from sapiens2_app import datasets, distributed, optimization, starting_model, train_checkpoints
+from sapiens2_app import dataset_files, datasets, distributed, optimization, starting_model, train_checkpoints
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.distributed import Distributed
-from sapiens2_app.metrics import Metric
+from sapiens2_app.metrics import Metric, PoseEvaluation, dense_metric_names
 from sapiens2_app.models import RANDOM_INIT
 from sapiens2_app.reporting import Progress
 from sapiens2_app.train_checkpoints import STATE_FILE, read_state, stored
@@ -67,7 +68,8 @@ RECIPE_HELP = (
 # Command line
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0], epilog=RECIPE_HELP,
+    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0],
+                           epilog=RECIPE_HELP + metrics_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     whole = lambda low: number_in(int, low)  # noqa: E731
     p.add_argument("task", choices=heads.TASKS)
@@ -132,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-backbone", choices=list(PRESETS),
                    help="backbone size of a random start (default: the size --model names, else 0.4b)")
     return p
+
+
+def metrics_help() -> str:
+    """--help's list of the dense tasks' validation metrics (docs/training.md#metrics-on-val says what each is)."""
+    names = "\n".join(textwrap.fill(f"{task}: {', '.join(dense_metric_names(task))}", 110, initial_indent="  ",
+                                     subsequent_indent="    ") for task in heads.TASKS if task != "pose")
+    return ('\n\nvalidation metrics (log.jsonl "eval"), the original evaluators\' names and numbers first, extras '
+            f"after:\n{names}")
 
 
 def parse_head(text: str) -> list[list[int]]:
@@ -231,14 +241,20 @@ def forward_loss(model, batch: dict, task: str):
 def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
     model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     model.eval()
-    metric = Metric(args.task, info)
+    pose = args.task == "pose"
+    metric = PoseEvaluation(info, dataset.people) if pose else Metric(args.task, info)
     rows = list(eval_batches(len(dataset), args.batch_size, dist_info))
     loader = data_loader(dataset, [[(i, 0) for i in indices] for indices, _ in rows], args.workers)
     with Batches(loader) as batches:
-        for (_, valid), batch in zip(rows, batches):
+        for (indices, valid), batch in zip(rows, batches):
+            pixels = batch["pixel_values"].to(dist_info.device)
             with autocast(args, dist_info.device):
-                output = model(batch["pixel_values"].to(dist_info.device))
-            metric.update(output, batch, valid)
+                # pose: the original's val_cfg flip_test=True, the mean of the crop's heatmaps and its mirror's
+                output = model.flip_test(pixels) if pose else model(pixels)
+            if pose:
+                metric.update(output, batch, valid, indices)  # one row per person: gathered by its index
+            else:
+                metric.update(output, batch, valid)
     metric.sums = dist_info.all_reduce(metric.sums)
     model.train()
     return metric.result()
@@ -267,6 +283,8 @@ class Run:
                              "(torchrun --nproc-per-node N train.py ...)")
         processing.check_data_files()  # an incomplete installation stops here, before the data and the model
         self.info = datasets.dataset_info(args.task, Path(args.data))
+        if args.task == "pose" and (warning := dataset_files.inferred_pairs_warning(self.info)):
+            self.note(warning)  # a set of its own without flip_pairs: say what the name rule paired
         model, self.random = starting_model.build_model(args, self.info, self.note)
         saved = read_state(self.out) if args.resume else {}
         if self.random or saved.get("info", {}).get("random_start"):  # config.json's sapiens2_training says so

@@ -172,22 +172,72 @@ def read_annotations(folder: Path) -> tuple[dict, Path]:
         raise UsageError(f"{path}: not valid JSON ({error})") from None
 
 
+# The keypoint sets whose official tables sapiens2 ships (data/, written from the original's config by
+# tests/fixtures/make_keypoint_tables.py): name -> (data file, how many of its first keypoints). COCO's 17 body
+# keypoints are the first 17 of COCO-WholeBody, with their swaps and sigmas.
+KNOWN_KEYPOINT_SETS = {"sapiens 308": ("keypoints308.json", 308), "COCO-WholeBody 133": ("coco_wholebody133.json", 133),
+                       "COCO 17": ("coco_wholebody133.json", 17)}
+
+
 def keypoint_set(coco: dict, path: Path) -> dict:
-    """Names, flip pairs, skeleton and (optional) OKS sigmas of categories[0]."""
+    """Names, flip pairs, skeleton and (optional) OKS sigmas of categories[0]. Flip pairs and sigmas: the category's
+    own when given, else the official table of a known set (the same names, in any order), else (flip pairs only)
+    paired by their names; `flip_pairs_from` says which (inferred_pairs_warning tells the user)."""
     categories = coco.get("categories") or []
     if not categories or not categories[0].get("keypoints"):
         raise UsageError(f"{path}: categories[0].keypoints (the keypoint names) is missing")
     category = categories[0]
     names = [str(n) for n in category["keypoints"]]
-    pairs = category.get("flip_pairs")
-    pairs = flip_pairs_from_names(names) if pairs is None else [[int(a), int(b)] for a, b in pairs]
+    known = known_keypoint_set(names)
+    pairs, sigmas = category.get("flip_pairs"), category.get("sigmas")
+    if pairs is not None:
+        pairs, source = [[int(a), int(b)] for a, b in pairs], "annotations"
+    elif known is not None:
+        pairs, source = known["flip_pairs"], known["name"]
+    else:
+        pairs, source = flip_pairs_from_names(names), "names"
     if any(not (0 <= i < len(names)) for pair in pairs for i in pair):
         raise UsageError(f"{path}: flip_pairs index a keypoint outside 0..{len(names) - 1}")
-    sigmas = category.get("sigmas")
+    if sigmas is None and known is not None:
+        sigmas = known["sigmas"]
     if sigmas is not None and len(sigmas) != len(names):
         raise UsageError(f"{path}: {len(sigmas)} sigmas for {len(names)} keypoints")
-    return {"keypoint_names": names, "flip_pairs": pairs, "skeleton": category.get("skeleton", []),
-            "sigmas": sigmas}
+    return {"keypoint_names": names, "flip_pairs": pairs, "flip_pairs_from": source,
+            "skeleton": category.get("skeleton", []), "sigmas": sigmas}
+
+
+def known_keypoint_set(names: list[str]) -> dict | None:
+    """The official table of the known set with exactly these names (in any order), in the order of `names`:
+    {name, flip_pairs (a < b), sigmas}; None for another set."""
+    for set_name, (file, count) in KNOWN_KEYPOINT_SETS.items():
+        table = processing.read_data(file)
+        official = table["keypoint_names"][:count]
+        if len(names) != count or sorted(names) != sorted(official):
+            continue
+        position = {name: i for i, name in enumerate(names)}  # official index -> index in `names`
+        mirror = [position[official[j]] for j in table["flip_indices"][:count]]
+        order = [position[name] for name in official]
+        pairs = sorted([order[i], mirror[i]] for i in range(count) if order[i] < mirror[i])
+        sigmas = [0.0] * count
+        for i, sigma in zip(order, table["sigmas"]):
+            sigmas[i] = float(sigma)
+        return {"name": set_name, "flip_pairs": pairs, "sigmas": sigmas}
+    return None
+
+
+def inferred_pairs_warning(meta: dict) -> str | None:
+    """For a keypoint set that is neither known nor gives flip_pairs: what the name rule paired and left alone."""
+    if meta.get("flip_pairs_from") != "names":
+        return None
+    names = meta["keypoint_names"]
+    paired = {i for pair in meta["flip_pairs"] for i in pair}
+    inferred = ", ".join(f"{names[a]}<->{names[b]}" for a, b in meta["flip_pairs"]) or "none"
+    alone = ", ".join(name for i, name in enumerate(names) if i not in paired) or "none"
+    known = ", ".join(KNOWN_KEYPOINT_SETS)
+    return (f"warning: the {len(names)} keypoint names are not a known set ({known}) and annotations.json gives no "
+            f"flip_pairs, so the mirror pairs come from the names (left_/right_, l_/r_): {len(meta['flip_pairs'])} "
+            f"pairs: {inferred}; their own mirror (unpaired): {alone}. If a flipped person should map other "
+            f"keypoints, give categories[0].flip_pairs")
 
 
 def flip_order(count: int, pairs) -> torch.Tensor:

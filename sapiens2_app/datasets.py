@@ -5,7 +5,7 @@ One dataset folder per task, with `train/` and an optional `val/` (formats in do
   seg       images/NAME.* + masks/NAME.png (uint8 class ids, 255 = ignore) + classes.json (class names)
   normal    images/ + normals/NAME.npy (H, W, 3 unit vectors) + optional masks/NAME.png (nonzero = valid)
   pointmap  images/ + pointmaps/NAME.npy (H, W, 3 metric XYZ) + optional masks/ + optional intrinsics.json
-  matting   images/ + alphas/NAME.png
+  matting   images/ + alphas/NAME.png (alpha; or RGBA: the foreground's colours + alpha)
   albedo    images/ + albedo/NAME.png (RGB; an alpha channel, if any, is the valid mask)
 
 A sample is fetched as dataset[(index, seed)]: every random choice of its augmentation comes from a generator
@@ -27,6 +27,7 @@ from PIL import Image
 
 import processing
 from heads import CANONICAL_FOCAL
+from losses import matting_foreground_target
 from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, clip_box, continuous_crop, dense_pixels,
                                        dense_source_pixels, draw_dense, draw_pose, inside, pose_crop, pose_pixels,
                                        random_background, resample_affine, resample_box, seg_geometry, source_points,
@@ -45,7 +46,7 @@ LOSS_KEYS = {
     "normal": ("labels", "mask"),
     "pointmap": ("labels", "mask", "scales", "intrinsics"),
     "albedo": ("labels", "mask"),
-    "matting": ("labels",),
+    "matting": ("labels", "foregrounds", "mask"),
 }
 
 
@@ -201,12 +202,11 @@ class DenseDataset:
                 raise UsageError(f"{path}: class id {int(labels[bad].max())} but classes.json lists "
                                  f"{self.num_classes} classes (ids 0..{self.num_classes - 1}, 255 = ignore)")
             return torch.from_numpy(labels.astype(np.float32))[None], None, None
-        if self.task in ("matting", "albedo"):
-            mode = "L" if self.task == "matting" else "RGBA"
-            array = read_png(path, mode).astype(np.float32) / 255
+        if self.task == "matting":
+            return matting_target(path, image_size, self.images[name]), None, None
+        if self.task == "albedo":
+            array = read_png(path, "RGBA").astype(np.float32) / 255
             check_size(path, array, image_size, self.images[name])
-            if self.task == "matting":
-                return torch.from_numpy(array)[None], None, None
             array = torch.from_numpy(array).permute(2, 0, 1)
             return array[:3], (array[3:] > 0).float(), None
         what = "unit normals" if self.task == "normal" else "metric XYZ"
@@ -230,8 +230,11 @@ class DenseDataset:
         """The task's loss arguments from the resampled target."""
         if self.task == "seg":
             sample["labels"] = target[0].round().long()
-        elif self.task == "matting":
-            sample["labels"] = target
+        elif self.task == "matting":  # target: alpha, or the premultiplied foreground + alpha
+            alpha = target[-1:]
+            image = unnormalized(sample["pixel_values"]) / 255  # (3, H, W) RGB in [0, 1], as augmented
+            foreground, mask, known = matting_foreground_target(alpha, image, target[:3] if len(target) == 4 else None)
+            sample.update(labels=alpha, foregrounds=foreground, mask=mask, has_foreground=torch.tensor(known))
         elif self.task in ("normal", "albedo"):
             sample["labels"], sample["mask"] = target, (mask if mask is not None else torch.ones_like(target[:1]))
         else:  # pointmap: canonical camera (focal 768 in network pixels), docs/losses.md 4
@@ -241,6 +244,31 @@ class DenseDataset:
             scale = CANONICAL_FOCAL / K[0, 0]
             sample["labels"], sample["mask"] = target * scale * mask, mask
             sample["scales"], sample["intrinsics"] = scale.view(1), K
+
+
+def unnormalized(pixel_values: torch.Tensor) -> torch.Tensor:
+    """processing.normalize undone: (3, H, W) on the 0..255 scale (to ~1e-5)."""
+    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in (processing.IMAGENET_MEAN, processing.IMAGENET_STD))
+    return pixel_values * std + mean
+
+
+def matting_target(path: Path, image_size, image_path) -> torch.Tensor:
+    """alphas/NAME.png as (1, H, W) alpha in [0, 1]; an RGBA one as (4, H, W): the foreground premultiplied by
+    alpha and rounded down to 8 bits, as the upstream's MattingBaseDataset stores it, then alpha."""
+    try:
+        with Image.open(path) as image:
+            rgba = image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path}: cannot read it as a PNG ({error})") from None
+    if not rgba:
+        alpha = read_png(path, "L").astype(np.float32) / 255
+        check_size(path, alpha, image_size, image_path)
+        return torch.from_numpy(alpha)[None]
+    array = read_png(path, "RGBA")
+    check_size(path, array, image_size, image_path)
+    alpha = array[..., 3].astype(np.float32) / 255
+    foreground = np.floor(array[..., :3].astype(np.float32) * alpha[..., None]) / 255  # the upstream's uint8 cast
+    return torch.from_numpy(np.concatenate([foreground, alpha[..., None]], -1)).permute(2, 0, 1)
 
 
 # ----------------------------------------------------------------------------------------------------

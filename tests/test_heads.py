@@ -324,7 +324,7 @@ def dense_labels(task, B, H, W):
         return dict(labels=torch.randint(0, 29, (B, H, W)))
     if task == "matting":
         return dict(labels=torch.rand(B, 1, H, W), foregrounds=torch.rand(B, 3, H, W),
-                    backgrounds=torch.rand(B, 3, H, W), images=torch.rand(B, 3, H, W))
+                    mask=(torch.rand(B, 1, H, W) > 0.2).float())
     if task == "pointmap":
         xyz = torch.rand(B, 3, H, W) + torch.tensor([0.0, 0.0, 2.0]).view(1, 3, 1, 1)
         K = torch.tensor([[300.0, 0, W / 2], [0, 300.0, H / 2], [0, 0, 1]]).expand(B, 3, 3)

@@ -91,8 +91,11 @@ def make_dataset(task: str, root: Path, count: int = 4, h: int = 64, w: int = 48
 
 
 def make_pose_split(folder: Path, rng, count: int, h: int, w: int):
-    """One person per image; its 17 keypoints always at the same places of its box, drawn as dots."""
-    layout = np.stack([np.linspace(0.1, 0.9, 17), np.abs(np.linspace(-0.8, 0.8, 17)) + 0.1], 1)
+    """One person per image; its 17 keypoints always at the same places of its box, drawn as dots, each left/right
+    pair mirrored about the box's centre line (so that a mirrored person is a person: the flip test agrees)."""
+    pair = np.arange(1, 9).repeat(2)  # COCO's pairs (1, 2), (3, 4), ...: the nose, then left and right of each
+    side = np.tile([-1, 1], 8)
+    layout = np.stack([np.r_[0.5, 0.5 + 0.05 * pair * side], np.r_[0.1, 0.1 + 0.1 * pair]], 1)
     images, annotations = [], []
     for i in range(count):
         image = np.full((h, w, 3), 40, np.uint8)
@@ -143,7 +146,7 @@ def test_overfit_each_task(task, backbone, tmp_path):
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == steps and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3]), losses
     final = [r["eval"] for r in log if "eval" in r][-1]
-    name, sign = metrics.MAIN_METRIC[task] if task != "pose" else ("oks_ap", 1)  # PCK@0.05: ~1 px here
+    name, sign = metrics.MAIN_METRIC[task] if task != "pose" else ("AP", 1)  # PCK@0.05: ~1 px here
     # the same metric of the untrained model (fresh head on the same backbone, seed 0)
     model = weights.load(out)
     info = datasets.dataset_info(task, data)
@@ -207,9 +210,10 @@ def test_pose_targets_match_processing_and_perfect_heatmaps_score_one(tmp_path):
     torch.testing.assert_close(sample["labels"], heatmaps[0], atol=1e-6, rtol=0)
     assert torch.equal(sample["label_weights"], weights_[0]) and sample["label_weights"][3] == 0
     batch = datasets.collate([val[(i, 0)] for i in range(len(val))])
-    metric = metrics.Metric("pose", info)
-    metric.update(heads.PoseOutput(batch["labels"]), batch, torch.ones(len(val)))
-    assert metric.result() == {"pck@0.05": pytest.approx(1.0), "oks_ap": pytest.approx(1.0)}
+    metric = metrics.PoseEvaluation(info, val.people)
+    metric.update(batch["labels"], batch, torch.ones(len(val)), range(len(val)))
+    result = metric.result()
+    assert (result["pck@0.05"], result["AP"]) == (pytest.approx(1.0), pytest.approx(1.0))
 
 
 # ----------------------------------------------------------------------------------------------------
