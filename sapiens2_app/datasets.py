@@ -432,21 +432,27 @@ def describe_dropped(dropped: dict[str, int]) -> str:
     return ", ".join(f"{count} left out: {reason}" for reason, count in sorted(dropped.items())) or "none left out"
 
 
-COCO_HALVES = {17: (range(0, 11), range(11, 17)), 133: (range(0, 11), range(11, 23))}  # mmpose's coco(_wholebody)
 LOWER_BODY_WORDS = ("hip", "knee", "ankle", "heel", "toe", "foot", "feet")
 
 
+def known_halves() -> list[tuple[list[str], set[str], set[str]]]:
+    """(official names, upper names, lower names) of the known sets: the original's keypoint types (`type="upper"`
+    / `"lower"`): the 308 set's upper_body_ids/lower_body_ids (data/keypoints308.json); COCO-WholeBody 133 and
+    COCO 17 (keypoints308.py's coco_wholebody_info): nose to wrists / hips to feet (the 6 foot points: 133 only)."""
+    sapiens, wholebody = processing.keypoint_metadata(), processing.read_data("coco_wholebody133.json")
+    names308, names133 = sapiens["keypoint_names"], wholebody["keypoint_names"]
+    upper308, lower308 = ({names308[i] for i in sapiens[key]} for key in ("upper_body_ids", "lower_body_ids"))
+    return [(names308, upper308, lower308), (names133, set(names133[:11]), set(names133[11:23])),
+            (names133[:17], set(names133[:11]), set(names133[11:17]))]
+
+
 def body_halves(names: list[str]) -> tuple[list[int], list[int]]:
-    """(upper ids, lower ids) for the half-body crop: the original's keypoint types (`type="upper"/"lower"`, the
-    308 set's upper_body_ids/lower_body_ids in data/keypoints308.json; COCO-17 and COCO-WholeBody: nose to
-    wrists / hips to feet); for another set, by name: hips, knees, ankles, heels, toes and feet are the lower
-    half, every other keypoint the upper."""
-    sapiens = processing.keypoint_metadata()
-    if list(names) == list(sapiens["keypoint_names"]):
-        return list(sapiens["upper_body_ids"]), list(sapiens["lower_body_ids"])
-    if len(names) in COCO_HALVES and tuple(names[:17]) == processing.coco17_names():
-        upper, lower = COCO_HALVES[len(names)]
-        return list(upper), list(lower)
+    """(upper ids, lower ids) for the half-body crop: a known set's (its names in any order, see known_halves); for
+    another set, by name: hips, knees, ankles, heels, toes and feet are the lower half, every other keypoint the
+    upper."""
+    for official, upper, lower in known_halves():
+        if len(names) == len(official) and sorted(names) == sorted(official):
+            return [i for i, n in enumerate(names) if n in upper], [i for i, n in enumerate(names) if n in lower]
     lower = [i for i, name in enumerate(names) if any(word in name.lower() for word in LOWER_BODY_WORDS)]
     return [i for i in range(len(names)) if i not in lower], lower
 

@@ -319,12 +319,15 @@ def test_pose_draws_follow_the_configured_distributions():
 
 def test_half_body_halves_of_the_known_sets():
     """The 308 set's upper/lower ids are the original's keypoint types (keypoints308.py: 51 upper, 12 lower);
-    COCO-WholeBody's 133: nose-wrists / hips-feet; an unknown set by name."""
+    COCO-WholeBody's 133: nose-wrists / hips-feet; a known set in another order keeps its halves by name; an
+    unknown set by name."""
     names308 = processing.keypoint_metadata()["keypoint_names"]
     upper, lower = datasets.body_halves(names308)
     assert lower == list(range(9, 21)) and upper == list(range(9)) + list(range(21, 63))
-    wholebody = list(processing.coco17_names()) + [f"x{i}" for i in range(116)]
+    wholebody = processing.read_data("coco_wholebody133.json")["keypoint_names"]
     assert datasets.body_halves(wholebody) == (list(range(11)), list(range(11, 23)))
+    shuffled = list(reversed(processing.coco17_names()))
+    assert datasets.body_halves(shuffled) == (list(range(6, 17)), list(range(6)))
     assert datasets.body_halves(["head", "left_hand", "left_knee", "right_foot"]) == ([0, 1], [2, 3])
 
 
