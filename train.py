@@ -15,9 +15,9 @@ optimizer state (optimizer.safetensors + train_state.json: no pickle), log.jsonl
 step and per evaluation).
 
 This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/: the
-datasets (datasets.py, dataset_files.py, augmentation.py, targets.py), what each process reads (data_loading.py),
-the model it starts from (starting_model.py), the processes (distributed.py), the optimizer and schedule
-(optimization.py), the checkpoints (train_checkpoints.py) and the metrics (metrics.py).
+datasets (datasets.py, dataset_files.py, augmentation.py, pixel_augmentation.py, targets.py), what each process
+reads (data_loading.py), the model it starts from (starting_model.py), the processes (distributed.py), the optimizer
+and schedule (optimization.py), the checkpoints (train_checkpoints.py) and the metrics (metrics.py).
 """
 
 from __future__ import annotations

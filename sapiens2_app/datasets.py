@@ -30,13 +30,13 @@ from heads import CANONICAL_FOCAL
 from losses import matting_foreground_target
 from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, clip_box, continuous_crop, dense_pixels,
                                        dense_source_pixels, draw_dense, draw_pose, inside, pose_crop, pose_pixels,
-                                       random_background, resample_affine, resample_box, seg_geometry, source_points,
-                                       whole_image_box)
+                                       resample_affine, resample_box, seg_geometry, source_points, whole_image_box)
 from sapiens2_app.cli import UsageError
 from sapiens2_app.dataset_files import (IGNORE, IMAGE_SUFFIXES, TARGET_FOLDERS, TARGET_SUFFIX, check_size,
                                         fit_intrinsics, flip_order, flip_pairs_from_names, header_size, keypoint_set,
                                         list_images, paired_files, read_annotations, read_class_ids, read_classes,
                                         read_intrinsics, read_npy, read_png, split_folder)
+from sapiens2_app.pixel_augmentation import random_background
 from sapiens2_app.targets import heatmap_sigma, udp_heatmaps
 
 # The task models' forward() arguments that a sample provides (besides pixel_values).

@@ -18,8 +18,9 @@ import torch
 from PIL import Image
 
 import processing
-from sapiens2_app import augmentation, datasets
-from sapiens2_app.augmentation import Photometric, PoseDraws
+from sapiens2_app import augmentation, datasets, pixel_augmentation
+from sapiens2_app.augmentation import PoseDraws
+from sapiens2_app.pixel_augmentation import Photometric
 from sapiens2_app.dataset_files import TARGET_FOLDERS
 
 SIZE = (64, 48)  # network (H, W)
@@ -251,13 +252,13 @@ def test_photometric_distortion_is_the_originals():
         d = Photometric(brightness=rng.uniform(-32, 32), contrast=rng.uniform(0.5, 1.5), contrast_first=bool(case % 2),
                         saturation=None, hue=None)
         expected = original_photometric(image[..., ::-1].copy(), d)[..., ::-1]
-        assert torch.equal(augmentation.photometric_distortion(to_tensor(image), d), to_tensor(expected)), d
+        assert torch.equal(pixel_augmentation.photometric_distortion(to_tensor(image), d), to_tensor(expected)), d
     for case in range(8):  # one HSV step at a time
         d = Photometric(brightness=None, contrast=None, contrast_first=True,
                         saturation=rng.uniform(0.5, 1.5) if case % 2 else None,
                         hue=None if case % 2 else int(rng.integers(-18, 19)))
         expected = original_photometric(image[..., ::-1].copy(), d)[..., ::-1]
-        difference = augmentation.photometric_distortion(to_tensor(image), d) - to_tensor(expected)
+        difference = pixel_augmentation.photometric_distortion(to_tensor(image), d) - to_tensor(expected)
         assert difference.abs().max() <= 1 and difference.ne(0).float().mean() < 0.4, d
         assert difference.ge(0).all()  # OpenCV 5's fixed point only ever lands lower
 
@@ -268,10 +269,11 @@ def test_blur_median_and_dropout_are_albumentations(kernel):
     albumentations applies them (Blur(p=0.1), MedianBlur(p=0.1), CoarseDropout(...), the pose config's
     PoseAlbumentation). Blur within 1 level (OpenCV's fixed-point box filter rounds the mean), median exact."""
     image = np.random.default_rng(kernel).integers(0, 256, (29, 23, 3), dtype=np.uint8)
-    blurred = augmentation.box_blur(to_tensor(image), kernel)
+    blurred = pixel_augmentation.box_blur(to_tensor(image), kernel)
     assert (blurred - to_tensor(cv2.blur(image, (kernel, kernel)))).abs().max() <= 1
-    assert torch.equal(augmentation.median_blur(to_tensor(image), kernel), to_tensor(cv2.medianBlur(image, kernel)))
-    holed = augmentation.coarse_dropout(to_tensor(image), (3, 5, 7, 4))
+    median = pixel_augmentation.median_blur(to_tensor(image), kernel)
+    assert torch.equal(median, to_tensor(cv2.medianBlur(image, kernel)))
+    holed = pixel_augmentation.coarse_dropout(to_tensor(image), (3, 5, 7, 4))
     expected = image.copy()
     expected[5:9, 3:10] = 0
     assert torch.equal(holed, to_tensor(expected))
@@ -618,20 +620,20 @@ def test_dense_pixel_augmentations_are_the_originals():
     image = smooth_image(rng, 33, 27)
     image[::5, ::3] = 255
     for sigma in (0.3, 1.0, 2.0):
-        ours = augmentation.gaussian_blur(to_tensor(image), sigma)
+        ours = pixel_augmentation.gaussian_blur(to_tensor(image), sigma)
         assert (ours - to_tensor(cv2.GaussianBlur(image, (3, 3), sigma))).abs().max() <= 1
     noise = torch.randn((3, 33, 27), generator=torch.Generator().manual_seed(5)) * 3.0
     noisy = np.clip(image.astype(np.float32) + noise.permute(1, 2, 0).numpy(), 0, 255).astype(np.uint8)
-    assert torch.equal(augmentation.gaussian_noise(to_tensor(image), 3.0, 5), to_tensor(noisy))
+    assert torch.equal(pixel_augmentation.gaussian_noise(to_tensor(image), 3.0, 5), to_tensor(noisy))
     solarized = image.copy()
     solarized[solarized > 128] = 255 - solarized[solarized > 128]  # common_transforms.py:416-417
-    assert torch.equal(augmentation.solarize(to_tensor(image)), to_tensor(solarized))
+    assert torch.equal(pixel_augmentation.solarize(to_tensor(image)), to_tensor(solarized))
     methods = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC,
                "area": cv2.INTER_AREA}
     for down, up in (("area", "bilinear"), ("bilinear", "bicubic"), ("nearest", "area")):
         small = cv2.resize(image, (max(1, int(27 * 0.4)), max(1, int(33 * 0.4))), interpolation=methods[down])
         expected = cv2.resize(small, (27, 33), interpolation=methods[up])
-        ours = augmentation.down_up(to_tensor(image), 0.4, down, up)
+        ours = pixel_augmentation.down_up(to_tensor(image), 0.4, down, up)
         assert (ours - to_tensor(expected)).abs().max() <= 2, (down, up)
 
 
@@ -731,13 +733,13 @@ def test_random_background_is_the_originals():
     for bh, bw in ((30, 70), (60, 20)):
         background = smooth_image(rng, bh, bw)[..., ::-1].copy()
         expected = original_random_background(image[..., ::-1].copy(), labels, background[..., ::-1].copy())[..., ::-1]
-        ours = augmentation.random_background(to_tensor(image), torch.from_numpy(labels), to_tensor(background))
+        ours = pixel_augmentation.random_background(to_tensor(image), torch.from_numpy(labels), to_tensor(background))
         difference = (ours - to_tensor(expected)).abs()
         person = torch.from_numpy(labels > 0)
         assert difference[:, person].max() <= 12 and difference[:, person].gt(2).float().mean() < 0.05
         assert difference[:, person].mean() < 0.7
         assert difference[:, ~person].max() <= 1
-    lab = augmentation.rgb_to_lab_uint8(to_tensor(image)) - to_tensor(cv2.cvtColor(image, cv2.COLOR_RGB2Lab))
+    lab = pixel_augmentation.rgb_to_lab_uint8(to_tensor(image)) - to_tensor(cv2.cvtColor(image, cv2.COLOR_RGB2Lab))
     assert lab.abs().max() <= 3
 
 

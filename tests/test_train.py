@@ -24,8 +24,8 @@ import processing
 import train
 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
-from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, starting_model,
-                          targets)
+from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, pixel_augmentation,
+                          starting_model, targets)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = (64, 48)  # network input (H, W)
@@ -342,7 +342,7 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
         if draws.blur or draws.median_blur:  # a one-pixel dot does not survive them
             continue
         white = torch.full((3, 1, 1), 255.0)
-        white = augmentation.photometric_distortion(white, draws.photometric) if draws.photometric else white
+        white = pixel_augmentation.photometric_distortion(white, draws.photometric) if draws.photometric else white
         hole_x, hole_y, hole_w, hole_h = draws.hole
         for x, y in (peaks[0][seen] * scale).round().long().tolist():
             if hole_x - 3 <= x < hole_x + hole_w + 3 and hole_y - 3 <= y < hole_y + hole_h + 3:
