@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import math
 import os
 import sys
 import textwrap
@@ -43,7 +43,8 @@ from sapiens2_app.distributed import Distributed
 from sapiens2_app.metrics import Metric, PoseEvaluation, dense_metric_names
 from sapiens2_app.models import RANDOM_INIT
 from sapiens2_app.reporting import Progress
-from sapiens2_app.train_checkpoints import STATE_FILE, read_state, stored
+from sapiens2_app.safe_io import check_writable, json_text, os_error_text
+from sapiens2_app.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored
 
 LOG_FILE = "log.jsonl"
 MAX_SEED = 2**32 - 1  # (the sampler and the augmentations derive their seeds from it in 64 bits)
@@ -171,7 +172,10 @@ def parse_args(argv) -> argparse.Namespace:
     state_path = Path(args.out) / STATE_FILE
     if not state_path.is_file():
         parser.error(f"--resume: {state_path} not found; nothing to resume in {args.out}")
-    saved = read_state(args.out)["args"]
+    try:
+        saved = read_state(args.out)["args"]
+    except UsageError as error:
+        parser.error(f"--resume: {error}")
     given = explicit_options(parser, argv)
     # The same value is not a change: compare in the form the run stored (a parsed --size is a tuple, stored a list)
     changed = sorted(k for k in given if k not in RESUME_MAY_CHANGE and k != "task"
@@ -206,6 +210,23 @@ def explicit_options(parser: argparse.ArgumentParser, argv) -> set[str]:
     return set(vars(known))
 
 
+def check_output_folder(out: Path):
+    """-o, before any model loads: a folder (or one to make) that takes files. A probe file is written and removed,
+    and so are the folders made for it (the run makes them again once the data and the model are ready)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {out}: is a file, not a folder")
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # innermost first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        check_writable(out)
+    except OSError as error:
+        raise UsageError(f"-o {out}: cannot write there ({os_error_text(error)})") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 class Log:
     """OUT/log.jsonl, main process only."""
 
@@ -213,9 +234,14 @@ class Log:
         self.path, self.enabled = out / LOG_FILE, enabled
 
     def write(self, record: dict):
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_text(record) + "\n")  # strict JSON: a NaN loss is null
+        except OSError as error:  # a full disk meets the log as often as a checkpoint
+            raise TrainingStopped(f"cannot write {self.path} ({os_error_text(error)}); "
+                                  f"{kept_checkpoint(self.path.parent)}") from None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,12 +307,19 @@ class Run:
         if args.fsdp and not dist_info.grouped:
             raise UsageError("--fsdp shards over torch.distributed processes: launch with torchrun "
                              "(torchrun --nproc-per-node N train.py ...)")
+        if dist_info.main:
+            check_output_folder(self.out)
         processing.check_data_files()  # an incomplete installation stops here, before the data and the model
         self.info = datasets.dataset_info(args.task, Path(args.data))
         if args.task == "pose" and (warning := dataset_files.inferred_pairs_warning(self.info)):
             self.note(warning)  # a set of its own without flip_pairs: say what the name rule paired
-        model, self.random = starting_model.build_model(args, self.info, self.note)
         saved = read_state(self.out) if args.resume else {}
+        if args.resume:
+            train_checkpoints.check_same_outputs(self.out, saved["info"], self.info, args.task, Path(args.data))
+            if dist_info.main:
+                for name in train_checkpoints.remove_stale_temporaries(self.out):
+                    self.note(f"removed {self.out / name}, left by a run that was killed")
+        model, self.random = starting_model.build_model(args, self.info, self.note)
         if self.random or saved.get("info", {}).get("random_start"):  # config.json's sapiens2_training says so
             self.info["random_start"] = True
         if self.random and dist_info.main:
@@ -365,10 +398,19 @@ class Run:
         """Train, log, evaluate and save; returns the step where a stop request ended the run, else None."""
         args, dist_info = self.args, self.dist
         params = [p for p in self.model.parameters() if p.requires_grad]
-        losses, window_start = [], time.perf_counter()
+        losses, window_start, saved = [], time.perf_counter(), self.start
         for step in range(self.start, self.stop):
-            losses.append(self.train_step(step, batches, params))
+            try:
+                losses.append(self.train_step(step, batches, params))
+            except USER_ERRORS:  # a bad training file, found when read: the steps trained so far are kept
+                if dist_info.world == 1 and step > saved:  # (other processes, in a collective, could not join in)
+                    self.save(step, stop_signals)
+                    progress.note(f"saved the checkpoint of step {step}; fix the file below, then --resume goes on")
+                raise
             done = step + 1
+            if dist_info.any(not math.isfinite(losses[-1])):  # (every process stops at the same step)
+                raise TrainingStopped(f"the loss is {losses[-1]} at step {done}: the training diverged (a lower --lr, "
+                                      f"or --clip-grad, may help); not saved; {kept_checkpoint(self.out)}")
             if done % args.log_every == 0 or done == self.stop:
                 window = torch.tensor([sum(losses) / len(losses), self.dropped], dtype=torch.float64)
                 sums = dist_info.all_reduce(window)
@@ -379,17 +421,22 @@ class Run:
                 self.dropped = 0
                 progress.update(done, f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} img/s")
                 losses, window_start = [], time.perf_counter()
+            stopping = dist_info.any(stop_signals.requested)  # every process stops at the same step
+            if (args.save_every and done % args.save_every == 0) or done == self.stop or stopping:
+                saved = self.save(done, stop_signals)
+            # after the save: a bad val/ file (found only when read) then costs no training
             if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
                 metrics = evaluate(self.model, self.val_set, args, self.info, dist_info)
                 log.write({"step": done, "eval": metrics})
                 progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            stopping = dist_info.any(stop_signals.requested)  # every process stops at the same step
-            if (args.save_every and done % args.save_every == 0) or done == self.stop or stopping:
-                train_checkpoints.save_checkpoint(self.out, self.model, self.optimizer, done, args, self.info,
-                                                  dist_info, self.global_batch)
             if stopping:
                 return done
         return None
+
+    def save(self, done: int, stop_signals: StopSignals) -> int:
+        train_checkpoints.save_checkpoint(self.out, self.model, self.optimizer, done, self.args, self.info, self.dist,
+                                          self.global_batch, held=stop_signals.held)
+        return done
 
     def learning_rate(self, step: int) -> float:
         args = self.args
@@ -429,6 +476,12 @@ def train(args, argv=None) -> int:
     except USER_ERRORS as error:  # bad data, checkpoint or launch: the message names the file or setting
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except TrainingStopped as error:  # a full disk, a diverged run: the last good checkpoint is kept
+        print(f"error: stopped: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C (StopSignals), or one before the loop
+        print(f"\ninterrupted: quit without saving; {kept_checkpoint(Path(args.out))}", file=sys.stderr)
+        return INTERRUPTED
     finally:
         distributed.close()
 

@@ -27,7 +27,10 @@ convention HF implements (bit-identical to HF in fp32), so the outputs are compa
 
 Correctness: every child saves a deterministic subsample of its outputs; the parent compares each row with
 the reference row of its group (hf when it ran, else ours): rel err = max|x - ref| / max|ref|, bound 1e-3 in
-fp32 and 5e-2 in bf16/fp16. A row over the bound is marked MISMATCH and the script exits with status 1.
+fp32. In bf16/fp16 the bound comes from the measured rounding noise: the reference child also runs its model
+once in fp32 (the same bf16-valued weights and input upcast, so only the arithmetic differs) and records
+noise_vs_fp32 = max|ref_bf16 - ref_fp32| / max|ref_fp32|; the bound is NOISE_MULTIPLE (3) times that (why 3:
+at NOISE_MULTIPLE). A row over the bound is marked MISMATCH and the script exits with status 1.
 
 Timing: warm-up calls (at least 3 for compiled rows: the RoPE table cache fills on the first call and
 causes one recompile), then --reps timed calls; median, min, max and the inter-quartile range are
@@ -53,7 +56,11 @@ op's input + output + weight read/written once (an unfused lower bound on traffi
 Achieved TFLOP/s = FLOPs / median time, and on a known GPU the fraction of its dense peak for the dtype
 (runtime_info.DEVICE_PEAKS; fp32 rows use the non-tensor-core fp32 peak, since TF32 is left off). On CPU: GFLOP/s only.
 
-Results: bench/results/e2e-<device>-<date>.json (+ .md table, + .png plot drawn with pillow).
+Results: bench/results/e2e-<device>-<date>.json (+ .md table, + .png plot drawn with pillow; --no-render: the
+JSON only, the rest later with --report). The JSON is rewritten (atomically) as each job finishes, so a run
+that is stopped keeps every row it measured. With --append and the same --work-dir, a later run compares its
+rows with the reference rows an earlier run measured (their outputs stay in the work dir): bench/gpu_session.sh
+runs the slow cold torch.compile job alone, last.
 """
 
 from __future__ import annotations
@@ -94,7 +101,18 @@ IMPLS = ("hf", "hf-eager", "hf-compile", "ours", "ours-cl", "ours-triton", "ours
 # backbone, pose, then heads.TASKS's order with matting last.
 MODELS = ("backbone", *sorted(heads.TASKS, key=lambda task: (task != "pose", task == "matting")))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
+TOLERANCE = {"fp32": 1e-3}
+# bf16/fp16: the bound is NOISE_MULTIPLE x the reference's own rounding noise (noise_vs_fp32, measured by its child).
+# Why 3: with f the fp32 result, the triangle inequality gives |x - ref| <= |x - f| + |ref - f|, so a row as
+# accurate as the reference is within 2x its noise, and 3x passes a row up to twice as noisy (other reduction
+# orders, fused kernels). Measured on CPU (256x192, batch 1, bf16; hf's noise 1.6e-2 tiny, 2.9e-2 0.1b, 4.1e-2
+# 0.4b): ours vs hf = 0.8, 1.2, 1.7 x hf's noise (ours' own noise 1.0, 0.9, 1.3 x hf's), while --perturb (the last
+# block's w3 x 1.5, a mild error) gives 4.8 (tiny) and 3.7 (0.1b) x. A fixed 5e-2 did not work: the depth decides
+# the noise (ours vs hf at 0.4b: 5.17e-2 in issue 24, 7.2e-2 here), and it is loose for a shallow model. Without a
+# measured noise (the fp32 forward failed) a row is held to REDUCED_PRECISION_FALLBACK and says so.
+NOISE_MULTIPLE = 3.0
+REDUCED_PRECISION_FALLBACK = 1e-1
+REFERENCE_IMPLS = ("hf", "ours", "hf-eager")  # compare_group's choice, in this order
 SEED = 0
 
 # A tiny architecture for the smoke test (not a released size): 10 blocks so that GQA blocks exist.
@@ -449,9 +467,33 @@ def run_child(spec: dict) -> dict:
                 forward()
             result["rss_peak_mb"], result["rss_method"] = rss.peak_mb, rss.method
 
+        if spec["dtype"] != "fp32" and impl in REFERENCE_IMPLS:
+            result["noise_vs_fp32"] = fp32_noise(model, x, name, impl, saved)
+
     save_file({str(i): t.contiguous() for i, t in enumerate(saved)}, spec["outputs"])  # safetensors: nothing unpickled
     result.update(summarize_times(times, spec["batch"]), warmup=warmup, reps=spec["reps"])
     return result
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """max over the outputs of max|got - want| / max|want| (fp64)."""
+    return max(((g.double() - e.double()).abs().max() / e.double().abs().max().clamp(min=1e-30)).item()
+               for g, e in zip(got, want, strict=True))
+
+
+def fp32_noise(model, x, name: str, impl: str, saved: list[torch.Tensor]) -> float | None:
+    """The reference's own rounding noise: its reduced-precision outputs (`saved`) against the same model run in
+    fp32 (weights and input upcast exactly, TF32 off), or None when the fp32 forward does not fit or fails."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        full = [subsample(t) for t in outputs_of(name, impl, model.float()(x.float()))]
+        return relative_error(saved, full)
+    except RuntimeError as e:  # out of memory, mostly: the row then says its bound was not measured
+        print(f"fp32 noise run failed: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        return None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def summarize_times(times: list[float], batch: int) -> dict:
@@ -520,6 +562,11 @@ def plan(args) -> list[dict]:
     return jobs
 
 
+def outputs_file(work: pathlib.Path, job: dict) -> pathlib.Path:
+    """Where a job's child saves its outputs: kept in the work dir, so that a later --append run can compare."""
+    return work / f"{re.sub(r'[^A-Za-z0-9]+', '_', job_key(job))}.out.safetensors"
+
+
 def run_job(job: dict, work: pathlib.Path, timeout: float) -> dict:
     spec = dict(job)
     reason = skip_reason(spec)
@@ -529,7 +576,7 @@ def run_job(job: dict, work: pathlib.Path, timeout: float) -> dict:
     wdir = work / re.sub(r"[^A-Za-z0-9]+", "_", f"{job['preset']}_{job['model']}_{job['dtype']}_{job['size'][0]}x{job['size'][1]}")
     t0 = time.perf_counter()
     prepare_weights(job["preset"], job["model"], job["size"], job["dtype"], wdir)
-    spec.update(weights=str(wdir), outputs=str(work / f"{key}.out.safetensors"), result=str(work / f"{key}.json"))
+    spec.update(weights=str(wdir), outputs=str(outputs_file(work, job)), result=str(work / f"{key}.json"))
     env = dict(os.environ)
     if job["device"] == "cpu":  # inductor's compile-worker pool would fight the timed process for the cores
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -580,23 +627,33 @@ def load_outputs(path: str) -> list[torch.Tensor]:
     return [tensors[str(i)] for i in range(len(tensors))]
 
 
-def compare_group(rows: list[dict]):
-    """Compare every ok row of one group with the group's reference (hf, else ours)."""
+def tolerance_of(reference: dict) -> tuple[float, str]:
+    """The bound on rel err against `reference` (a row) and where it comes from (see NOISE_MULTIPLE)."""
+    if reference["dtype"] == "fp32":
+        return TOLERANCE["fp32"], "fp32"
+    noise = reference.get("noise_vs_fp32")
+    if noise is None or not math.isfinite(noise):
+        return REDUCED_PRECISION_FALLBACK, "fixed (the reference's fp32 noise run failed)"
+    return max(NOISE_MULTIPLE * noise, TOLERANCE["fp32"]), f"{NOISE_MULTIPLE:g} x {reference['impl']} noise_vs_fp32"
+
+
+def compare_group(rows: list[dict], earlier: list[dict] = ()):
+    """Compare every ok row of one group with the group's reference (hf, else ours), taken from `rows` or, when
+    this run did not measure it, from `earlier` (rows of an earlier run whose outputs are in the work dir)."""
     ok = {r["impl"]: r for r in rows if r["status"] == "ok"}
-    ref_impl = next((i for i in ("hf", "ours", "hf-eager") if i in ok), None)
+    candidates = {**{r["impl"]: r for r in earlier if r["status"] == "ok"}, **ok}
+    ref_impl = next((i for i in REFERENCE_IMPLS if i in candidates), None)
     if ref_impl is None:
         return
-    reference = load_outputs(ok[ref_impl]["outputs_path"])
+    reference = load_outputs(candidates[ref_impl]["outputs_path"])
+    tolerance, source = tolerance_of(candidates[ref_impl])
     for impl, r in ok.items():
-        got = load_outputs(r["outputs_path"])
-        errs = [((g.double() - e.double()).abs().max() / e.double().abs().max().clamp(min=1e-30)).item()
-                for g, e in zip(got, reference, strict=True)]
         r["reference"] = ref_impl
-        r["rel_err"] = max(errs)
-        r["tolerance"] = TOLERANCE[r["dtype"]]
+        r["rel_err"] = relative_error(load_outputs(r["outputs_path"]), reference)
+        r["tolerance"], r["tolerance_from"] = tolerance, source
         if not math.isfinite(r["rel_err"]) or r["rel_err"] > r["tolerance"]:
             r["status"] = "MISMATCH"
-            r["reason"] = f"rel err {r['rel_err']:.2e} vs {ref_impl} > {r['tolerance']:.0e}"
+            r["reason"] = f"rel err {r['rel_err']:.2e} vs {ref_impl} > {r['tolerance']:.1e}"
 
 
 def add_derived(rows: list[dict], dev_name: str):
@@ -754,6 +811,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, help="results JSON (default bench/results/e2e-<device>-<date>.json)")
     ap.add_argument("--append", action="store_true", help="merge into an existing --out, replacing rows of the same key")
     ap.add_argument("--work-dir", type=pathlib.Path, help="where weights and outputs go (default: a temp dir, removed)")
+    ap.add_argument("--no-render", action="store_true", help="write the JSON only (the .md and .png: --report later)")
     args = ap.parse_args(argv)
 
     if args.child:
@@ -778,9 +836,13 @@ def main(argv=None) -> int:
     command = "python bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{len(jobs)} runs on {dev_name}; results -> {out}", flush=True)
 
-    def save():
-        """Write the JSON (+ table and plot) with every row so far: a run cut short keeps what it measured."""
-        done = [{k: v for k, v in r.items() if k != "outputs_path"} for r in rows]
+    def save(pending: list[dict] = ()):
+        """Write the JSON with every row so far (atomically): a run cut short keeps what it measured. `pending`:
+        the rows of the group in progress, compared on copies with the reference measured so far."""
+        pending = [dict(r) for r in pending]
+        if pending:
+            compare_group(pending, earlier_rows(pending[0]))
+        done = [{k: v for k, v in r.items() if k != "outputs_path"} for r in rows + pending]
         data = {"device": dev_name, "device_kind": args.device, "date": date, "versions": versions(),
                 "command": command, "threads": torch.get_num_threads(),
                 "memory_method": next((r["memory_method"] for r in done if r.get("memory_method")), None), "rows": done}
@@ -791,34 +853,54 @@ def main(argv=None) -> int:
             data["command"] = previous.get("command", "") + " ; " + command
             data["memory_method"] = data["memory_method"] or previous.get("memory_method")
         add_derived(data["rows"], dev_name)
-        out.write_text(safe_io.json_text(data, indent=1))
-        render(out)
+        safe_io.atomic_write(out, safe_io.json_text(data, indent=1))
+        if not args.no_render:
+            render(out)
+        return pending
+
+    def earlier_rows(like: dict) -> list[dict]:
+        """The earlier run's rows of this group whose outputs are still in the work dir (--append)."""
+        found = []
+        for r in previous["rows"] if previous is not None else ():
+            path = outputs_file(work, r)
+            if group_key(r) == group_key(like) and r.get("status") == "ok" and path.exists():
+                found.append({**r, "outputs_path": str(path)})
+        return found
 
     previous = json.loads(out.read_text()) if args.append and out.exists() else None
     work = args.work_dir or pathlib.Path(tempfile.mkdtemp(prefix="sapiens2-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     flops_cache: dict = {}
     rows: list[dict] = []
+    printed: dict[str, tuple] = {}  # job key -> (status, rel err) as printed when the job finished
     rounds = args.rounds or SUITES[args.suite].get("rounds", 1)
+
+    def finished_row(job: dict, results: list[dict]) -> dict:
+        fkey = (job["preset"], job["model"], job["batch"], tuple(job["size"]), job["dtype"])
+        if fkey not in flops_cache:
+            flops_cache[fkey] = count_flops(*fkey)
+        row = {k: job[k] for k in ("preset", "model", "batch", "size", "dtype", "impl", "device")}
+        row.update(flops_cache[fkey])
+        row.update(merge_rounds(results, job["batch"]))
+        return row
+
     try:
         for group_jobs in split_groups(jobs):
             results = {job_key(job): [] for job in group_jobs}
-            for _ in range(rounds):  # interleaved: hf, ours, ..., hf, ours, ... so slow drift hits all alike
+            group: list[dict] = []
+            for round_index in range(rounds):  # interleaved: hf, ours, ..., hf, ours, ... so slow drift hits all alike
                 for job in group_jobs:
                     results[job_key(job)].append(run_job(job, work, args.timeout))
-            group = []
-            for job in group_jobs:
-                fkey = (job["preset"], job["model"], job["batch"], tuple(job["size"]), job["dtype"])
-                if fkey not in flops_cache:
-                    flops_cache[fkey] = count_flops(*fkey)
-                row = {k: job[k] for k in ("preset", "model", "batch", "size", "dtype", "impl", "device")}
-                row.update(flops_cache[fkey])
-                row.update(merge_rounds(results[job_key(job)], job["batch"]))
-                group.append(row)
-            # Compare as soon as a group is complete, so a wrong row shows while the run goes on.
-            compare_group(group)
+                    if round_index == rounds - 1:  # the job's last round: its row is final, saved at once
+                        group.append(finished_row(job, results[job_key(job)]))
+                        shown = save(group)[-1]
+                        print_row(shown)
+                        printed[job_key(job)] = (shown["status"], shown.get("rel_err"))
+            # The group complete: compared with its reference for good (rows measured before it was are now too).
+            compare_group(group, earlier_rows(group[0]))
             for r in group:
-                print_row(r)
+                if printed.get(job_key(r)) != (r["status"], r.get("rel_err")):
+                    print_row(r)
             rows.extend(group)
             save()
     finally:

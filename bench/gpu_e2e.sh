@@ -8,8 +8,7 @@
 # Needs: torch with CUDA (2.11 was seen on the H200 machines), triton (3.6), safetensors, pillow, numpy, and
 # transformers 5.23.0 for the HF rows (the first release with Sapiens2; the H200 image has 5.17). Nothing can be
 # fetched on the device machine, so carry the wheel: on the machine that launches the run,
-#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#         -d tmp/whl transformers==5.23.0          # tmp/ is git-ignored; pass carry=["tmp/whl"]
+#     bash bench/fetch_wheels.sh                   # tmp/whl/ (git-ignored); pass carry=["tmp/whl"]
 # and this script installs it with --no-index into /tmp/site. (With network access instead:
 #     pip install transformers==5.23.0 safetensors .)
 # Without transformers 5.23 the HF rows are reported as skipped, with the reason, and ours still run.
@@ -34,6 +33,7 @@ DEST=${OUT:-bench/results}
 mkdir -p "$DEST"
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
+export TRITON_DEFAULT_FP_FUSION=1 TRITON_CACHE_AUTOTUNING=1   # as bench/gpu_session.sh: one cache key, tuning reused
 
 WHEELS=${WHEELS:-tmp/whl}
 if ! $PY -c "import transformers; transformers.Sapiens2Model" 2>/dev/null; then

@@ -1,86 +1,193 @@
 #!/usr/bin/env bash
-# The whole GPU check in ONE command for a short device lease (15 minutes in all, machine start included):
-# most important rows first, each step under its own timeout, everything under one deadline (DEADLINE, default
-# 510 s, well inside the device tool's 600 s per command), every row written to $OUT as it is measured.
+# The whole GPU check in ONE command, built for the machine it first runs on (an H200 through the device tool):
+# one command of at most 10 minutes, at most 8 files back from $OUT, no network, Python 3.12, torch 2.11,
+# triton 3.6, transformers 5.17 (no Sapiens2 in it).
 #
-#   run(command="bash bench/gpu_session.sh", carry=["tmp/whl"], timeout_s=600)     # the device tool
-#   DEADLINE=300 STEPS="1 2" bash bench/gpu_session.sh                              # a subset
+#   bash bench/fetch_wheels.sh                                                  # here, once: tmp/whl/
+#   run(command="bash bench/gpu_session.sh", carry=["tmp/whl"], timeout_s=600)   # the device tool
+#   STEPS="sdpa forced" bash bench/gpu_session.sh                              # some steps only
 #
-# Steps (a step starts only if at least MIN_STEP seconds are left; what is skipped is said in the log):
-#   1  attention, 0.4b, batch 8, N = 3081, bf16, full-attention and GQA blocks, forward and forward +
-#      backward: Triton (autotuned; its choice in the row's config) and the forward variants forced
-#      (triton[128x64w8s3], ...r128 two programs per SM, ...o overlapped softmax, ...to + TMA, ...tog + persistent,
-#      128x128w8s2to) | auto (the default dispatch) | SDPA reference | SDPA flash | cuDNN | efficient
-#      -> targets: >= 450 TFLOP/s forward at D = 64, >= 300 forward + backward, auto never below SDPA
-#      (about 60 compiles: the forward autotunes over 10 (MHA) or 13 (GQA) configurations, dK/dV 7, dQ 6).
-#      Every row carries max_rel_err against the fp32 reference on the same inputs: a fast variant that computes
-#      something else shows.
-#   2  the copy ceiling (1 GiB device copy), then qk_norm_rope 0.4b and 5b (bf16 and fp32 q/k, bf16 tables)
-#      -> >= 80% of the copy bandwidth
-#   3  attention, 5b (the aligned D = 76 layout) and 0.8b (D = 80), batch 8 -> >= 400 TFLOP/s forward
-#   4  end to end, backbone, batch 8, 1024x768, bf16: 0.4b ours-triton | hf (SDPA) | hf-compile, then 1b
-#      ours-triton | hf -> >= 1.5x hf and >= 1.15x compile(hf) at 0.4b (needs the transformers 5.23.0 wheel
-#      in tmp/whl: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#      --implementation cp -d tmp/whl transformers==5.23.0)
-#   5  the kernel tests compiled on CUDA (tiles pinned in the tests: a few compiles, not ~100)
-# Outputs in $OUT (at most 8 files come back): gpu-session.log, kernels-{1,2,3}.json, auto-choices.json,
-# e2e.json (+ .md, .png). Without $OUT (a plain GPU machine) they go to /tmp/sapiens2-gpu-<time>/, never
-# into the repository. Dry run without a GPU: PYTHON=<stub> bash bench/gpu_session.sh (see kernels/README.md).
+# Steps, in this order, each in its own process(es) under its own time limit (LIMIT below: with the setup they
+# sum to under DEADLINE, 540 s). Every row is written to $OUT as it is measured (an atomic rewrite of the JSON),
+# so a step that is killed keeps the rows it wrote, and the next step still runs.
+#   sdpa      attention 0.4b, batch 8, N = 3081, bf16, full-attention and GQA blocks, forward and forward +
+#             backward: the SDPA reference and SDPA's flash / cuDNN / efficient backends (no Triton: these rows
+#             exist even if a Triton kernel later faults the GPU)
+#   forced    each forced Triton forward variant (bench/kernels.py --list-forced) in its own process: one that
+#             faults loses only its own row and is named in the log; every variant without a timed row is then
+#             excluded from autotuning (SAPIENS2_TRITON_EXCLUDE) in all later steps
+#   autotune  attention 0.4b: Triton autotuned (its choice in the row's config) and `auto` (the default
+#             dispatch), forward and forward + backward -> >= 450 TFLOP/s forward at D = 64, >= 300 fwd + bwd,
+#             auto never below SDPA. No Triton row from forced, or none from autotune, with a process that
+#             crashed or failed (not one stopped at its limit): the session stops there (the later steps run the
+#             same kernels) and says so.
+#   qk        the copy ceiling (1 GiB device copy), qk_norm_rope 0.4b and 5b (bf16 and fp32 q/k, bf16 tables)
+#             -> >= 80% of the copy bandwidth
+#   5b, 0.8b  attention forward only (5b: the aligned D = 76 layout; 0.8b: D = 80): Triton autotuned, auto, SDPA
+#             flash, reference -> >= 400 TFLOP/s
+#   e2e       the 0.4b backbone, batch 8, 1024x768, bf16: hf (SDPA) then ours-triton -> >= 1.5x hf (1b: not in the
+#             first run)
+#   pipeline  predict.py seg on 32 photos of 1080x1440, batch 8, the real-size 0.4b model (random weights), against
+#             the model alone (issue 24, item 4) -> >= 80% of the model-only rate
+#   tests     a dozen CUDA tests of tests/test_kernels.py covering the variants (tiles pinned: a few compiles each)
+#   compile   the 0.4b backbone under a cold torch.compile(hf), compared with the e2e step's hf outputs: the
+#             slowest job, alone and last, with whatever time is left -> ours-triton >= 1.15x compile(hf)
+# Outputs in $OUT (at most 8 files come back; this writes 5): gpu-session.log, kernels.json, e2e.json,
+# pipeline.json, auto-choices.json. The .md/.png reports are made later from the JSON
+# (`python bench/e2e.py --report e2e.json`). Without $OUT (a plain GPU machine) they go to
+# /tmp/sapiens2-gpu-<time>/, never into the repository. Rehearsed on CPU, with a stand-in python3 and nvidia-smi,
+# by tests/test_gpu_session.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-DEADLINE=${DEADLINE:-510}
-MIN_STEP=${MIN_STEP:-30}
-STEPS=${STEPS:-"1 2 3 4 5"}
+DEADLINE=${DEADLINE:-540}
+MIN_STEP=${MIN_STEP:-8}                 # a step starts only with at least this many seconds left
+LIMIT_DIVISOR=${LIMIT_DIVISOR:-1}       # the CPU rehearsal shrinks every step's limit by this factor
+ALL_STEPS="sdpa forced autotune qk 5b 0.8b e2e pipeline tests compile"
+STEPS=${STEPS:-$ALL_STEPS}
+WHEELS=${WHEELS:-tmp/whl}
+# Seconds per step (forced: per variant). With SETUP_LIMIT and 6 forced variants: 519 s (the log prints the sum).
+declare -A LIMIT=([sdpa]=25 [forced]=15 [autotune]=80 [qk]=20 [5b]=35 [0.8b]=35 [e2e]=50 [pipeline]=40 [tests]=40
+                  [compile]=40)
+SETUP_LIMIT=64                          # nvidia-smi 8, wheel install 25, versions 16, forced labels 15
+
 START=$(date +%s)
 DEST=${OUT:-/tmp/sapiens2-gpu-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$DEST"
-LOG="$DEST/gpu-session.log"
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1} TRANSFORMERS_VERBOSITY=error \
-    HF_HUB_OFFLINE=1
-# One autotuning cache for the whole session (and kept with the machine), so later steps reuse compiles.
+LOG=$DEST/gpu-session.log
+KERNELS=$DEST/kernels.json
+E2E_JSON=$DEST/e2e.json
+PIPELINE_JSON=$DEST/pipeline.json
+WORK=/tmp/sapiens2-e2e-work             # e2e weights and outputs, shared by the e2e and compile steps
+export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
+# In every step: FP fusion stated (it is part of Triton's cache key: a step that differed would compile again)
+# and the autotuner's results cached on disk, so later steps reuse the autotune step's choices.
+export TRITON_DEFAULT_FP_FUSION=1 TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/sapiens2-triton-cache}
-# The dispatch's timing choices, recorded for the log.
-export SAPIENS2_KERNELS_CACHE=${SAPIENS2_KERNELS_CACHE:-$DEST/auto-choices.json}
+export SAPIENS2_KERNELS_CACHE=$DEST/auto-choices.json   # the dispatch's timing choices
+export SAPIENS2_TRITON_EXCLUDE=${SAPIENS2_TRITON_EXCLUDE:-}
+CUDA_TESTS=(  # the default forward/backward at D = 80 (0.8b), 76 (5b) and fp32, GQA packing, the forward and
+              # backward variants, qk_norm_rope at D = 76, the model on the Triton kernels, NaN bits
+    "tests/test_kernels.py::test_attention_forward_backward[dtype5-80-3-4-2-44]"
+    "tests/test_kernels.py::test_attention_forward_backward[dtype7-76-1-4-4-44]"
+    "tests/test_kernels.py::test_attention_forward_backward[dtype3-76-1-4-2-44]"
+    "tests/test_kernels.py::test_attention_forward_gqa_packed[dtype4-80-3-4-2-44]"
+    "tests/test_kernels.py::test_attention_forward_variants[dtype2-80-3-4-2-44-tma]"
+    "tests/test_kernels.py::test_attention_forward_variants[dtype2-80-3-4-2-44-plain-order-r128]"
+    "tests/test_kernels.py::test_attention_forward_variants[dtype2-80-3-4-2-44-tma-persistent]"
+    "tests/test_kernels.py::test_attention_forward_variants[dtype2-80-3-4-2-44-poly-exp2-tma-packed]"
+    "tests/test_kernels.py::test_attention_backward_variants[dtype2-80-3-4-2-44-tma]"
+    "tests/test_kernels.py::test_attention_backward_variants[dtype2-80-3-4-2-44-plain-order]"
+    "tests/test_kernels.py::test_qk_norm_rope_forward[dtype6-rope_dtype6-76-1-2-2]"
+    "tests/test_kernels.py::test_model_forward_on_triton_kernels_matches_reference[dtype1-bfloat16]"
+    "tests/test_kernels.py::test_round_to_bf16_keeps_nan_and_matches_torch"
+)
 
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( DEADLINE - $(elapsed) )); }
 say() { echo "$*" | tee -a "$LOG"; }
-step() {  # step N NAME LIMIT command...: run it if wanted and the deadline leaves MIN_STEP s, never past it
-    local n=$1 name=$2 limit=$3; shift 3
-    case " $STEPS " in *" $n "*) ;; *) return ;; esac
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
+limit_of() { local l=$(( $1 / LIMIT_DIVISOR )); echo $(( l < 1 ? 1 : l )); }
+ABORT=""                                # set when the later steps would only repeat a failure
+SUMMARY=()                              # one line per step, printed at the end
+run() {  # run NAME LIMIT command...: under LIMIT s, never past DEADLINE, its output in the log; RC = its exit status
+    local name=$1 limit; limit=$(limit_of "$2"); shift 2
     local l; l=$(left)
-    if (( l < MIN_STEP )); then say "== step $n $name: not run, ${l}s left"; return; fi
+    RC=skipped STOPPED=0
+    if [[ -n $ABORT ]]; then say "== $name: not run ($ABORT)"; SUMMARY+=("$name: not run"); return; fi
+    if (( l < MIN_STEP )); then say "== $name: not run, ${l}s left"; SUMMARY+=("$name: not run (deadline)"); return; fi
     (( limit > l )) && limit=$l
-    say "== step $n $name (limit ${limit}s) at $(elapsed)s"
-    timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    say "== step $n $name: exit ${PIPESTATUS[0]} at $(elapsed)s"
+    say "== $name (limit ${limit}s) at $(elapsed)s"
+    local began; began=$(date +%s)
+    timeout --signal=INT --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    RC=${PIPESTATUS[0]}
+    local what="exit $RC"
+    (( RC > 128 )) && what="killed by signal $(( RC - 128 )) (exit $RC)"
+    if (( RC == 124 || (RC == 137 && $(date +%s) - began >= limit) )); then
+        STOPPED=1 what="stopped at its ${limit}s limit (exit $RC)"
+    fi
+    say "== $name: $what at $(elapsed)s"
+    SUMMARY+=("$name: $what")
 }
+kernels() { run "$1" "$2" "$PY" bench/kernels.py --device cuda --batches 8 --out "$KERNELS" --append "${@:3}"; }
 
-say "== sapiens2 GPU session, deadline ${DEADLINE}s, results in $DEST"
-timeout 30 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
-timeout 60 $PY -c "import sys; sys.path.insert(0, '.'); import json, runtime_info; print(json.dumps(runtime_info.versions()))" 2>&1 | tee -a "$LOG"
+say "== sapiens2 GPU session, deadline ${DEADLINE}s, results in $DEST, steps: $STEPS"
+timeout 8 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv \
+    2>&1 | tee -a "$LOG"
+# transformers 5.23.0 for the HF rows, carried as a wheel (bench/fetch_wheels.sh); installed without its
+# requirements, which the machine has.
+if ls "$WHEELS"/transformers-*.whl >/dev/null 2>&1; then
+    timeout 25 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$WHEELS"/transformers-*.whl 2>&1 | tee -a "$LOG" \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+    say "no transformers wheel in $WHEELS (bash bench/fetch_wheels.sh): the hf rows need transformers with Sapiens2"
+fi
+# The versions every later step imports (after the wheel install; transformers has Sapiens2 from 5.23.0).
+timeout 16 "$PY" -c "import json, sys; sys.path.insert(0, '.')
+from sapiens2_app import runtime_info
+print('versions', json.dumps(runtime_info.versions()))" 2>&1 | tee -a "$LOG"
+FORCED=$(timeout 15 "$PY" bench/kernels.py --list-forced 2>>"$LOG" | tr '\n' ' ')
+n_forced=$(wc -w <<<"$FORCED")
+total=$SETUP_LIMIT
+for s in $ALL_STEPS; do
+    times=1; [[ $s == forced ]] && times=$n_forced
+    total=$(( total + ${LIMIT[$s]} * times ))
+done
+say "== plan: limits ${total}s in all (setup ${SETUP_LIMIT}s, forced ${n_forced} x ${LIMIT[forced]}s) of the ${DEADLINE}s deadline; forced: ${FORCED:-none listed}"
+(( total > DEADLINE )) && say "warning: the step limits sum past the deadline: the last steps may not run"
 
-# transformers 5.23.0 for the HF rows: carried as a wheel (nothing can be downloaded on the device machine).
-WHEELS=${WHEELS:-tmp/whl}
-if [[ " $STEPS " == *" 4 "* ]] && ! timeout 60 $PY -c "import transformers; transformers.Sapiens2Model" 2>/dev/null; then
-    if ls "$WHEELS"/transformers-5.23.0-*.whl >/dev/null 2>&1; then
-        timeout 60 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    else
-        say "transformers 5.23.0 not found (and no wheel in $WHEELS): the HF rows of step 4 will be skipped"
+if wanted sdpa; then
+    kernels sdpa "${LIMIT[sdpa]}" --presets 0.4b --ops attention --impls sdpa
+fi
+if wanted forced; then
+    [[ -z $FORCED ]] && say "== forced: bench/kernels.py --list-forced listed nothing (see the log)"
+    slow=0                              # variants stopped at their limit: slow compiles, or a hang
+    for label in $FORCED; do
+        kernels "forced $label" "${LIMIT[forced]}" --presets 0.4b --ops attention --no-backward --impls "triton[$label]"
+        slow=$(( slow + STOPPED ))
+    done
+    missing=$(timeout 15 "$PY" bench/session_report.py missing-forced "$KERNELS" $FORCED)
+    if [[ -n $missing ]]; then
+        SAPIENS2_TRITON_EXCLUDE=$(tr ' ' ',' <<<"$SAPIENS2_TRITON_EXCLUDE $missing" | sed 's/^,*//')
+        say "== forced variants without a timed row: $missing -> SAPIENS2_TRITON_EXCLUDE=$SAPIENS2_TRITON_EXCLUDE"
+    fi
+    if [[ -n $FORCED ]] && ! timeout 15 "$PY" bench/session_report.py has-triton "$KERNELS" forced; then
+        if (( slow < n_forced )); then  # some crashed or failed: the kernels themselves do not run here
+            ABORT="no forced Triton variant came back: the Triton kernels do not run here"
+            say "== stopping: $ABORT"
+        else
+            say "== no forced variant finished within ${LIMIT[forced]}s (slow compiles?): autotuning goes on"
+        fi
     fi
 fi
+if wanted autotune; then
+    kernels autotune "${LIMIT[autotune]}" --presets 0.4b --ops attention --impls triton,auto
+    if [[ $RC != skipped ]] && (( ! STOPPED )) \
+            && ! timeout 15 "$PY" bench/session_report.py has-triton "$KERNELS" autotuned; then
+        ABORT="no autotuned Triton row came back (exit $RC): autotuning faults here"
+        say "== stopping: $ABORT"
+    fi
+fi
+wanted qk && kernels qk "${LIMIT[qk]}" --presets 0.4b,5b --ops copy,qk_norm_rope --impls triton,reference
+wanted 5b && kernels 5b "${LIMIT[5b]}" --presets 5b --ops attention --no-backward \
+    --impls triton,auto,sdpa_flash,reference
+wanted 0.8b && kernels 0.8b "${LIMIT[0.8b]}" --presets 0.8b --ops attention --no-backward \
+    --impls triton,auto,sdpa_flash,reference
+E2E=(bench/e2e.py --device cuda --dtype bf16 --size 1024 768 --models backbone --batches 8 --presets 0.4b
+     --work-dir "$WORK" --out "$E2E_JSON" --append --no-render)
+wanted e2e && run e2e "${LIMIT[e2e]}" "$PY" "${E2E[@]}" --impls hf,ours-triton --timeout "${LIMIT[e2e]}"
+wanted pipeline && run pipeline "${LIMIT[pipeline]}" "$PY" bench/pipeline.py --device cuda --real 0.4b --only-real \
+    --tasks seg --photos 1080x1440 --images 32 --workers 8 --batch-size 8 --out "$PIPELINE_JSON"
+wanted tests && run tests "${LIMIT[tests]}" "$PY" -m pytest -p no:cacheprovider -rfE "${CUDA_TESTS[@]}"
+# The last step takes what is left (at least its own limit): a cold compile of the 0.4b model may need minutes.
+wanted compile && run compile "$(( $(left) > ${LIMIT[compile]} ? $(left) : ${LIMIT[compile]} ))" "$PY" "${E2E[@]}" \
+    --impls hf-compile --timeout "$DEADLINE"
 
-step 1 "attention 0.4b" 200 $PY bench/kernels.py --device cuda --presets 0.4b --batches 8 --ops attention \
-    --out "$DEST/kernels-1.json"
-step 2 "copy ceiling + qk_norm_rope" 45 $PY bench/kernels.py --device cuda --presets 0.4b,5b --batches 8 \
-    --ops copy,qk_norm_rope --out "$DEST/kernels-2.json"
-step 3 "attention 5b, 0.8b" 100 $PY bench/kernels.py --device cuda --presets 5b,0.8b --batches 8 --ops attention \
-    --out "$DEST/kernels-3.json"
-E2E=(bench/e2e.py --device cuda --dtype bf16 --size 1024 768 --models backbone --batches 8
-     --work-dir /tmp/sapiens2-e2e-work --out "$DEST/e2e.json" --append --timeout 100)
-step 4 "e2e backbone 0.4b" 90 $PY "${E2E[@]}" --presets 0.4b --impls ours-triton,hf,hf-compile
-step 4 "e2e backbone 1b" 60 $PY "${E2E[@]}" --presets 1b --impls ours-triton,hf
-step 5 "kernel tests on CUDA" 50 $PY -m pytest tests/test_kernels.py -q -x -p no:cacheprovider
-say "== gpu session done in $(elapsed)s; results in $DEST"
+rm -f "$DEST"/.*.partial "$DEST"/*.tmp 2>/dev/null   # temporary files of a writer killed mid-write
+say "== summary after $(elapsed)s"
+for line in "${SUMMARY[@]}"; do say "  $line"; done
+[[ -n $ABORT ]] && say "  stopped early: $ABORT"
+[[ -n $SAPIENS2_TRITON_EXCLUDE ]] && say "  SAPIENS2_TRITON_EXCLUDE=$SAPIENS2_TRITON_EXCLUDE"
+timeout 20 "$PY" bench/session_report.py summary "$DEST" 2>&1 | sed 's/^/  /' | tee -a "$LOG"
+exit 0

@@ -3,7 +3,9 @@
     python3 bench/kernels.py                      # CUDA if available, else the CPU smoke run
     python3 bench/kernels.py --device cpu         # reference vs torch.compile(reference), small shapes
     python3 bench/kernels.py --device cuda [--presets 0.4b,5b] [--batches 8] [--ops attention,qk_norm_rope,copy]
-                                           [--with-compile] [--out FILE]
+                                           [--impls sdpa,triton,auto,forced,triton[LABEL]] [--with-compile]
+                                           [--out FILE [--append]]
+    python3 bench/kernels.py --list-forced        # the forced variants' labels, one a line
 
 CUDA: at the real shapes (a 1024 x 768 image: N = 9 + 64 * 48 = 3081 tokens; the presets' heads, from
 sapiens2.PRESETS; bf16) it times
@@ -17,7 +19,12 @@ and reports the median time (triton.testing.do_bench), TFLOP/s (attention: 4 B H
 3.5x that for forward + backward, the FlashAttention-2 convention) or GB/s (qk_norm_rope: bytes read and
 written once), and the fraction of the device's peak (runtime_info.DEVICE_PEAKS: datasheet dense bf16) or of
 the measured copy bandwidth. Rows are printed and written to the JSON as they are measured (a run cut short
-keeps what it measured), in the order of --ops.
+keeps what it measured), in the order of --ops. --impls keeps some rows only (sdpa: the reference and SDPA's
+backends; triton: autotuned; auto; forced: every triton[LABEL]; or one impl by name), and --append merges them
+into an existing --out (a row of the same case replaces the old one): bench/gpu_session.sh runs the SDPA rows,
+then each forced variant in its own process (one that faults on the GPU loses only its own rows, and is named),
+then autotuning, all into one JSON. SAPIENS2_TRITON_EXCLUDE=LABEL,... (kernels/attention_triton.py) removes
+configurations from autotuning and skips those forced rows.
 CPU: the same ops at small shapes, reference vs torch.compile(reference), so that this script keeps running
 in CI; its numbers say nothing about the GPU.
 """
@@ -107,6 +114,22 @@ def make_qkv(B, HQ, HKV, N, D, dtype, device, grad=False):
     return [t.requires_grad_(grad) for t in (q, k, v)]
 
 
+KNOWN_IMPLS = ("all", "sdpa", "forced", "triton", "auto", "reference", "compiled_reference", "sdpa_flash",
+               "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
+
+
+def impl_filter(spec: str):
+    """--impls: a predicate on row names. 'all'; groups sdpa (reference, compiled_reference, sdpa_*), forced
+    (every triton[LABEL]); or exact names (triton, auto, triton[128x64w8s3], ...)."""
+    names = {name.strip() for name in spec.split(",") if name.strip()}
+
+    def wanted(impl: str) -> bool:
+        return ("all" in names or impl in names
+                or ("sdpa" in names and (impl in ("reference", "compiled_reference") or impl.startswith("sdpa_")))
+                or ("forced" in names and impl.startswith("triton[")))
+    return wanted
+
+
 def attention_impls(device: str, with_backends: bool, batch: int, with_compile: bool):
     impls = {"reference": attention_reference}
     if with_compile:
@@ -150,11 +173,13 @@ FORCED_FORWARD = {
 
 
 def forced_forward_impls():
-    from kernels.attention_triton import attention_fwd
+    """{triton[LABEL]: launcher}; None for a label SAPIENS2_TRITON_EXCLUDE names (its row says so)."""
+    from kernels.attention_triton import attention_fwd, excluded_configs
 
     def forced(blocks):
         return lambda q, k, v: attention_fwd(q, k, v, blocks=blocks)[0]
-    return {f"triton[{label}]": forced(blocks) for label, blocks in FORCED_FORWARD.items()}
+    excluded = excluded_configs()
+    return {f"triton[{label}]": None if label in excluded else forced(blocks) for label, blocks in FORCED_FORWARD.items()}
 
 
 def max_rel_err(got, want) -> float | None:
@@ -172,19 +197,29 @@ def run_or_none(fn):
         return None
 
 
-def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward, with_backends, with_compile):
+def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward, with_backends, with_compile,
+                    wanted=impl_filter("all")):
     """Every row also carries max_rel_err against the fp32 reference on the same inputs (the output for fwd, the
     worst of dq/dk/dv for fwd+bwd), so that a fast row that computes something else is seen at once."""
     for model, B, HQ, HKV, N, D in shapes:
         fwd_flops = 4 * B * HQ * N * N * D
-        q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device)
-        want = attention_reference(q.float(), k.float(), v.float())
         impls = attention_impls(device, with_backends, B, with_compile)
         if "triton" in impls:  # the forced variants right after the autotuned row
             at = list(impls).index("triton") + 1
             items = list(impls.items())
             impls = dict(items[:at] + list(forced_forward_impls().items()) + items[at:])
+        impls = {impl: fn for impl, fn in impls.items() if wanted(impl)}
+        bwd_impls = {impl: fn for impl, fn in attention_impls(device, with_backends, B, with_compile).items()
+                     if wanted(impl)} if with_backward else {}
+        if not impls and not bwd_impls:
+            continue
+        q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device)
+        want = attention_reference(q.float(), k.float(), v.float())
         for impl, fn in impls.items():
+            if fn is None:
+                rec.add(row("attention", "fwd", impl, model, B, N, HQ, HKV, D, dtype, None,
+                            "excluded by SAPIENS2_TRITON_EXCLUDE"))
+                continue
             ms, err = try_time(lambda: fn(q, k, v), device, reps)
             r = row("attention", "fwd", impl, model, B, N, HQ, HKV, D, dtype, ms, err,
                     tflops=fwd_flops, peak_tflops=peak_tflops)
@@ -196,12 +231,12 @@ def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward
                 r["config"] = tuned_config("fwd", q.dtype)
             rec.add(r)
         del want
-        if with_backward:
+        if bwd_impls:
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             do = torch.randn_like(q)
             ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
             want_grads = torch.autograd.grad(attention_reference(*ref_leaves), ref_leaves, do.float())
-            for impl, fn in attention_impls(device, with_backends, B, with_compile).items():
+            for impl, fn in bwd_impls.items():
                 def fwd_bwd():
                     return torch.autograd.grad(fn(*leaves), leaves, do)
                 ms, err = try_time(fwd_bwd, device, reps)
@@ -214,7 +249,7 @@ def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward
         del q, k, v
 
 
-def bench_qk_norm_rope(rec, device, shapes, dtypes, reps, copy_gbs, with_compile):
+def bench_qk_norm_rope(rec, device, shapes, dtypes, reps, copy_gbs, with_compile, wanted=impl_filter("all")):
     impls = {"reference": qk_norm_rope_reference}
     if with_compile:
         impls["compiled_reference"] = torch.compile(qk_norm_rope_reference)
@@ -222,6 +257,9 @@ def bench_qk_norm_rope(rec, device, shapes, dtypes, reps, copy_gbs, with_compile
         from kernels.qk_norm_rope_triton import qk_norm_rope_triton
 
         impls = {"triton": qk_norm_rope_triton, **impls}
+    impls = {impl: fn for impl, fn in impls.items() if wanted(impl)}
+    if not impls:
+        return
     for model, B, HQ, HKV, N, D in shapes:
         P = num_patches(model, N)
         for dtype, rope_dtype in dtypes:
@@ -266,22 +304,49 @@ def fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-class Recorder:
-    """Rows as they are measured: printed at once and the JSON rewritten, so a run that is cut short keeps
-    everything it measured."""
+CASE_FIELDS = ("op", "pass", "impl", "model", "B", "N", "Hq", "Hkv", "D", "dtype", "rope_dtype")
 
-    def __init__(self, info: dict, out: pathlib.Path):
+
+def case_key(r: dict) -> tuple:
+    """What a row measures: a later row with the same key replaces it (--append)."""
+    return tuple(r.get(field) for field in CASE_FIELDS)
+
+
+class Recorder:
+    """Rows as they are measured: printed at once and the JSON rewritten (atomically), so a run that is cut short
+    keeps everything it measured. With `previous` (--append: the JSON already at `out`), its rows stay, except those
+    of a case measured again; the runs' info is kept under "runs"."""
+
+    def __init__(self, info: dict, out: pathlib.Path, previous: dict | None = None):
         self.info, self.out, self.rows = info, out, []
+        self.kept = list(previous["rows"]) if previous else []
+        self.info["runs"] = [*(previous.get("runs", []) if previous else []), dict(info)]
         out.parent.mkdir(parents=True, exist_ok=True)
 
     def add(self, r: dict):
         self.rows.append(r)
+        self.kept = [old for old in self.kept if case_key(old) != case_key(r)]
         cells = [f"{c}={'n/a' if c == 'ms_median' and r.get('error') else fmt(r.get(c))}" for c in COLUMNS if c in r]
         print("row " + " ".join(cells) + (f" error={r['error']}" if r.get("error") else ""), flush=True)
         self.save()
 
     def save(self):
-        safe_io.atomic_write(self.out, safe_io.json_text({**self.info, "rows": self.rows}, indent=1) + "\n")
+        self.info["runs"][-1] = {k: v for k, v in self.info.items() if k != "runs"}
+        data = {**self.info, "rows": self.kept + self.rows}
+        safe_io.atomic_write(self.out, safe_io.json_text(data, indent=1) + "\n")
+
+
+def read_previous(out: pathlib.Path) -> dict | None:
+    """The JSON --append merges into; None when there is none yet. A file that does not parse is an error (its
+    rows would be lost by overwriting it)."""
+    if not out.exists():
+        return None
+    try:
+        data = json.loads(out.read_text())
+    except (OSError, ValueError) as e:
+        print(f"error: --out {out}: cannot --append to it ({e}); move it away or drop --append", file=sys.stderr)
+        raise SystemExit(2)
+    return data if isinstance(data, dict) and isinstance(data.get("rows"), list) else None
 
 
 def print_table(rows):
@@ -303,8 +368,19 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CUDA: --presets 0.4b,5b --batches 8")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--with-compile", action="store_true", help="also torch.compile(reference) (slow cold compiles)")
+    ap.add_argument("--impls", default="all", help="rows to run: all (default), sdpa, triton, auto, forced, "
+                    "triton[LABEL] (comma-separated)")
+    ap.add_argument("--list-forced", action="store_true", help="print the forced variants' labels and exit")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: bench/results/...)")
+    ap.add_argument("--append", action="store_true", help="merge into an existing --out (same case: replaced)")
     args = ap.parse_args()
+    if args.list_forced:
+        print("\n".join(FORCED_FORWARD))
+        return
+    for name in args.impls.split(","):
+        if name.strip() not in KNOWN_IMPLS and name.strip() not in (f"triton[{label}]" for label in FORCED_FORWARD):
+            ap.error(f"--impls: unknown {name!r}; choose from {', '.join(KNOWN_IMPLS)}, triton[LABEL] (--list-forced)")
+    wanted = impl_filter(args.impls)
     device = args.device
     torch.manual_seed(0)
     if args.quick:
@@ -340,8 +416,8 @@ def main():
 
     tag = "cpu" if device == "cpu" else "".join(ch for ch in info["device"].split()[-1].lower() if ch.isalnum())
     out = args.out or ROOT / "bench" / "results" / f"kernels_{tag}{'_quick' if args.quick else ''}.json"
-    rec = Recorder(info, out)
-    print(json.dumps(info), flush=True)
+    rec = Recorder(info, out, read_previous(out) if args.append else None)
+    print(json.dumps({k: v for k, v in info.items() if k != "runs"}), flush=True)
     t0 = time.time()
     info["copy_GB/s_measured"] = copy_gbs = copy_bandwidth_gbs(device)
     for op in args.ops.split(","):
@@ -350,9 +426,9 @@ def main():
                      "GB/s": copy_gbs})
         elif op == "attention":
             bench_attention(rec, device, attn_shapes, dtype, reps, peak_tflops, not args.no_backward,
-                            with_backends, args.with_compile)
+                            with_backends, args.with_compile, wanted)
         elif op == "qk_norm_rope":
-            bench_qk_norm_rope(rec, device, qk_shapes, qk_dtypes, reps, copy_gbs, args.with_compile)
+            bench_qk_norm_rope(rec, device, qk_shapes, qk_dtypes, reps, copy_gbs, args.with_compile, wanted)
         else:
             ap.error(f"--ops: unknown op {op!r}")
     info["bench_seconds"] = round(time.time() - t0, 1)
@@ -361,7 +437,8 @@ def main():
 
         info["auto_decisions"] = dispatch.decisions()
     rec.save()
-    print_table(rec.rows)
+    if rec.rows:
+        print_table(rec.rows)
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
 

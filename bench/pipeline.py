@@ -10,8 +10,10 @@ Each row runs predict.main on synthetic photos (smooth random JPEGs) with the mo
   free       the model costs nothing: each forward returns a cached output of the right shape (1024x768 input);
              images/s, and CPU ms per image per stage (thread CPU time, summed over the threads that ran it)
   stand-in   each forward holds the batch for T ms without using the CPU (time.sleep), as a GPU would, with T per
-             image = the CPU time per image that the serial runner's free row measured (the balanced case, where
-             a serial loop gets 1/2 of the ideal); images/s against the ideal 1 / max(T, CPU per image)
+             image = the time per image of the serial runner's free row (the CPU work of an image when nothing
+             overlaps; the balanced case, where a serial loop gets 1/2 of the ideal); images/s against the ideal
+             1 / max(T, that CPU work) = 1 / T. (Not the process CPU time: torch's own threads make it larger than
+             the wall time on a multi-core CPU, which would lower the ideal and flatter every row.)
   real       (--real SIZE) predict.py with real-size models (random weights: speed does not depend on them) against
              the model alone on the same batches (forward only, as bench/e2e.py times it): images/s of each, the
              ratio, and where the time goes (wall ms per image per stage)
@@ -19,8 +21,8 @@ Each row runs predict.main on synthetic photos (smooth random JPEGs) with the mo
 pipelined one (predict.py --workers). The files are the same either way (tests/test_pipeline.py).
 
 Stages: decode (processing.load_image), preprocess (resizing, normalizing, crops), model, postprocess (back to the
-photo: resize, argmax, heatmap decoding), render (pictures and arrays), encode+write (PNG/JPEG/npy encoding and
-the atomic write).
+photo: resize, argmax, heatmap decoding), render (pictures and arrays), encode (PNG/JPEG/npy bytes), write (the
+atomic write of the bytes).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def clocked(clock: StageClock):
     """Wrap the functions of each stage where the pipeline looks them up (module attributes)."""
     patches = [(processing, "load_image", "decode"), (inference.Inference, "prepare", "preprocess"),
                (processing, "preprocess_crops", "preprocess"), (inference.Inference, "forward", "model"),
-               (safe_io, "write_value", "encode+write")]
+               (outputs, "encode", "encode"), (safe_io, "write_value", "write")]
     patches += [(processing, name, "postprocess") for name in dir(processing) if name.startswith("postprocess_")]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     real_render = outputs.render
@@ -205,10 +207,10 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
                 built = real_models(tasks.split(","))
                 free = {w: run_row(tasks, folder, tmp / f"out-free-{w}", w, built, 0.0, batch, device) for w in workers}
                 serial = free[min(workers)]
-                hold = serial["cpu_ms_per_image"]  # the balanced case: the model as slow as the CPU work
+                hold = round(1000 / serial["images_per_s"], 1)  # the balanced case: the model as slow as the CPU work
                 held = {w: run_row(tasks, folder, tmp / f"out-held-{w}", w, built, hold, batch, device) for w in workers}
                 for w in workers:
-                    ideal = 1000 / max(hold, held[w]["cpu_ms_per_image"])
+                    ideal = 1000 / hold  # = 1 / max(T, the CPU work of an image), T being that work
                     rows.append({"tasks": tasks, "photo": photo, "workers": w, "batch": batch,
                                  "free": free[w], "stand_in": {**held[w], "hold_ms_per_image": hold,
                                                                "ideal_images_per_s": round(ideal, 3),
@@ -219,8 +221,9 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
 
 
 def real_rows(tasks_sets, photos, images: int, workers: list[int], batch: int, device: str, size: str,
-              preset: str) -> list[dict]:
-    """predict.py with real-size random models against the model alone, on the same photos and batch size."""
+              preset: str, on_row=lambda rows: None) -> list[dict]:
+    """predict.py with real-size random models against the model alone, on the same photos and batch size;
+    on_row(rows so far) after each row (the caller saves them: a run that is stopped keeps its rows)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="sapiens2-pipeline-real-") as tmp:
         tmp = Path(tmp)
@@ -239,6 +242,7 @@ def real_rows(tasks_sets, photos, images: int, workers: list[int], batch: int, d
                                  "of_model_alone": round(row["images_per_s"] / ideal, 3)})
                     print(f"| {tasks} | {photo} | {w} | {row['images_per_s']} img/s | model alone "
                           f"{round(ideal, 2)} img/s | {rows[-1]['of_model_alone']} |", flush=True)
+                    on_row(rows)
     return rows
 
 
@@ -268,16 +272,16 @@ def model_alone(task: str, preset: str, device: str, batch: int, size: str | Non
     return round(batch / sorted(times)[len(times) // 2], 3)
 
 
-HEADER = ("| tasks | photo | workers | free img/s | vs serial | CPU ms/img | decode | pre | post | render | encode+write "
-          "| stand-in img/s | of ideal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| tasks | photo | workers | free img/s | vs serial | CPU ms/img | decode | pre | post | render | encode | write "
+          "| T ms/img | stand-in img/s | of ideal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def table_row(row: dict) -> str:
     stages = row["free"]["stage_cpu_ms_per_image"]
     cells = [row["tasks"], row["photo"], row["workers"], row["free"]["images_per_s"], row["speedup_free_vs_serial"],
              row["free"]["cpu_ms_per_image"], *(stages.get(s, 0) for s in ("decode", "preprocess", "postprocess",
-                                                                          "render", "encode+write")),
-             row["stand_in"]["images_per_s"], row["stand_in"]["of_ideal"]]
+                                                                          "render", "encode", "write")),
+             row["stand_in"]["hold_ms_per_image"], row["stand_in"]["images_per_s"], row["stand_in"]["of_ideal"]]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -292,6 +296,8 @@ def main(argv=None) -> int:
     parser.add_argument("--real", metavar="SIZE", help="also predict.py with real-size random models of this preset "
                         "(e.g. 0.4b) against the model alone")
     parser.add_argument("--size", help="with --real: the model input HxW (default the model's, 1024x768)")
+    parser.add_argument("--only-real", action="store_true", help="with --real: skip the free and stand-in rows "
+                        "(bench/gpu_session.sh: the GPU machine's time is for the real rows)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--report", type=Path, help="print the table of a results file and exit")
     args = parser.parse_args(argv)
@@ -300,16 +306,25 @@ def main(argv=None) -> int:
         for row in json.loads(args.report.read_text())["rows"]:
             print(table_row(row))
         return 0
-    print(HEADER)
+    if not args.only_real:
+        print(HEADER)
     workers = [int(w) for w in args.workers.split(",")]
     out = args.out or ROOT / "bench" / "results" / f"pipeline-{args.device}{os.cpu_count()}t.json"
     result = {"bench": "pipeline", "device": args.device, "cpu_count": os.cpu_count(),
               "torch_threads": torch.get_num_threads(), "versions": versions(), "rows": []}
-    result["rows"] = bench(args.tasks, args.photos, args.images, workers, args.batch_size, args.device)
-    safe_io.atomic_write(out, safe_io.json_text(result, indent=2))  # saved before the slower real rows
+    if args.only_real and not args.real:
+        parser.error("--only-real needs --real SIZE")
+    if not args.only_real:
+        result["rows"] = bench(args.tasks, args.photos, args.images, workers, args.batch_size, args.device)
+        safe_io.atomic_write(out, safe_io.json_text(result, indent=2))  # saved before the slower real rows
+
+    def save_real(rows):
+        result["real_rows"] = rows
+        safe_io.atomic_write(out, safe_io.json_text(result, indent=2))
+
     if args.real:
-        result["real_rows"] = real_rows(args.tasks, args.photos, args.images, workers, args.batch_size, args.device,
-                                        args.size, args.real)
+        save_real(real_rows(args.tasks, args.photos, args.images, workers, args.batch_size, args.device,
+                            args.size, args.real, save_real))
     safe_io.atomic_write(out, safe_io.json_text(result, indent=2))
     print(f"results: {out}")
     return 0

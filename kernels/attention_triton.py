@@ -56,6 +56,7 @@ instead of 2).
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -827,6 +828,26 @@ def tuned_config(name: str, dtype: torch.dtype, tma: bool = True) -> str | None:
     if config is None:
         return None
     return config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
+
+
+def excluded_configs() -> set[str]:
+    """SAPIENS2_TRITON_EXCLUDE=LABEL,LABEL (config_label names, e.g. 128x64w8s3to): configurations the autotuner
+    never tries, read once at import. The way around one that faults on a GPU (a fault loses the CUDA context, and
+    autotuning would meet it again in every process); bench/gpu_session.sh sets it for forced variants that crashed."""
+    return {label.strip() for label in os.environ.get("SAPIENS2_TRITON_EXCLUDE", "").split(",") if label.strip()}
+
+
+def _drop_excluded(tuned: dict, excluded: set[str]):
+    for (name, fp32, tma), launcher in tuned.items():
+        kept = [c for c in launcher.configs
+                if config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) not in excluded]
+        if not kept:
+            raise ValueError(f"SAPIENS2_TRITON_EXCLUDE={','.join(sorted(excluded))} leaves no {name} configuration "
+                             f"({'fp32' if fp32 else 'bf16/fp16'}, {'with' if tma else 'without'} TMA): keep one")
+        launcher.configs = kept
+
+
+_drop_excluded(_TUNED, excluded_configs())
 
 
 # Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.

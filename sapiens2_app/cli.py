@@ -9,6 +9,7 @@ environment (RANK, WORLD_SIZE) and the one handling of Ctrl-C and SIGTERM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -151,10 +152,14 @@ class StopSignals:
     Without `on_request` (predict.py, export.py): both raise at once, Ctrl-C as KeyboardInterrupt and SIGTERM as
     Terminated; the command's cleanup runs as for Ctrl-C.
     With `on_request` (train.py: stop after the step, with a checkpoint): the first Ctrl-C or SIGTERM sets
-    `requested` and calls on_request(signum); a second Ctrl-C raises KeyboardInterrupt at once."""
+    `requested` and calls on_request(signum); a second Ctrl-C raises KeyboardInterrupt at once, except inside a
+    `held()` block (a checkpoint's renames, which must not be cut in two), which it ends instead. After that
+    KeyboardInterrupt, further signals are ignored: a third Ctrl-C would cut the cleanup it starts (stopping the data
+    workers, removing a staging folder) and leave the workers behind."""
 
     def __init__(self, on_request=None):
         self.on_request, self.requested, self.previous = on_request, False, {}
+        self.holding = self.quit_pending = self.quitting = False
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -164,18 +169,42 @@ class StopSignals:
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            # after a stop request the command is ending as asked: a Ctrl-C during its last steps (the process
+            # group's shutdown, the interpreter's exit) would only turn that into a traceback
+            signal.signal(sig, signal.SIG_IGN if self.requested else handler)
 
     def handle(self, signum, frame):
         if self.on_request is None:
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        if self.quitting:
+            return
         if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt()
+            self.quit_pending = True
+            if not self.holding:
+                self.quit()
+            return
         self.requested = True
         self.on_request(signum)
 
+    def quit(self):
+        self.quitting = True
+        raise KeyboardInterrupt()
 
-def ignore_stop_signals(_worker_id: int | None = None):
-    """In a worker process (data loading): Ctrl-C and SIGTERM are the main process's to act on."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    @contextlib.contextmanager
+    def held(self):
+        """`with stop.held() as hold: ...; hold()`: from hold() to the end of the block, a second Ctrl-C waits, and
+        quits when the block ends (with a checkpoint: the renames into OUT, done by the staging folder's exit)."""
+        try:
+            yield self.hold
+        finally:
+            self.holding = False
+        if self.quit_pending and not self.quitting:
+            self.quit()
+
+    def hold(self):
+        self.holding = True
+
+
+def not_held():
+    """StopSignals.held for code run without a StopSignals block."""
+    return contextlib.nullcontext(lambda: None)

@@ -4,12 +4,16 @@ worker comes back as one line, and the workers stop with the run."""
 
 from __future__ import annotations
 
+import functools
 import math
+import multiprocessing
+import os
+import signal
 
 import torch
 
 import processing
-from sapiens2_app.cli import UsageError, ignore_stop_signals
+from sapiens2_app.cli import UsageError
 from sapiens2_app.datasets import collate
 from sapiens2_app.distributed import Distributed
 
@@ -95,23 +99,42 @@ def collate_or_fail(samples: list) -> dict | SampleFailure:
 
 def data_loader(dataset, batch_sampler, workers: int, **options) -> torch.utils.data.DataLoader:
     """The training and validation loaders: batches, or SampleFailures that Batches raises."""
-    return torch.utils.data.DataLoader(ReadOrFail(dataset), batch_sampler=batch_sampler, collate_fn=collate_or_fail,
-                                       num_workers=workers, worker_init_fn=ignore_stop_signals, **options)
+    run_over = multiprocessing.Event()  # set by Batches when it stops the workers (worker_signals)
+    # Each iterator draws a base seed (unused: the samples seed their own generators) from `generator`; from the
+    # global RNG, that draw would put a resumed run's global RNG (dropout, restored from the checkpoint) one ahead.
+    loader = torch.utils.data.DataLoader(ReadOrFail(dataset), batch_sampler=batch_sampler, collate_fn=collate_or_fail,
+                                         num_workers=workers, generator=torch.Generator().manual_seed(0),
+                                         worker_init_fn=functools.partial(worker_signals, run_over), **options)
+    loader.run_over = run_over
+    return loader
+
+
+def worker_signals(run_over, _worker_id: int):
+    """In a data worker: Ctrl-C is the main process's to act on (it reaches the whole process group, and the main
+    process finishes its step, which may need this worker's batches), and so is a SIGTERM sent to the group (a
+    scheduler's notice), until the main process stops the workers: then SIGTERM (torch's and multiprocessing's
+    way to end a worker that did not leave by itself) ends the worker. A worker that ignored it then would keep
+    the interpreter's exit waiting for it forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0) if run_over.is_set() else None)
 
 
 class Batches:
     """A loader's batches, as a context manager: a SampleFailure is raised here (a UsageError, exit
-    status 2), and leaving stops the worker processes, however it is left. Left to garbage collection they
-    could live on to interpreter exit (an exception's traceback can hold the iterator in a reference cycle),
-    which stops them with SIGTERM, which they ignore (ignore_stop_signals): the run would hang."""
+    status 2), and leaving stops the worker processes, however it is left: left to garbage collection they
+    could live on to the interpreter's exit (an exception's traceback can hold the iterator in a reference
+    cycle), and a worker still busy when torch stops it gets SIGTERM, which must then end it (worker_signals)."""
 
     def __init__(self, loader: torch.utils.data.DataLoader):
+        self.run_over = getattr(loader, "run_over", None)
         self.iterator = iter(loader)
 
     def __enter__(self) -> "Batches":
         return self
 
     def __exit__(self, *exc):
+        if self.run_over is not None:
+            self.run_over.set()  # first: from here a SIGTERM ends the workers
         shutdown = getattr(self.iterator, "_shutdown_workers", None)  # torch has no public close; none without workers
         if shutdown is not None:
             shutdown()
@@ -124,4 +147,3 @@ class Batches:
         if isinstance(batch, SampleFailure):
             raise UsageError(batch.message)
         return batch
-

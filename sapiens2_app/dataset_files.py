@@ -5,6 +5,7 @@ UsageError that names it and says what is wrong with it."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +168,10 @@ def read_annotations(folder: Path) -> tuple[dict, Path]:
     if not path.is_file():
         raise UsageError(f"{path}: no such file (COCO keypoints annotations for images/)")
     try:
-        return json.loads(path.read_text()), path
+        return json.loads(path.read_text(), parse_constant=not_a_number, parse_float=finite_float), path
+    except NonFiniteNumber as error:
+        raise UsageError(f"{path}: {error} is not a finite number (keypoints and boxes must be; an unlabelled "
+                         "keypoint is 0, 0, 0)") from None
     except ValueError as error:
         raise UsageError(f"{path}: not valid JSON ({error})") from None
 
@@ -257,3 +261,17 @@ def flip_pairs_from_names(names: list[str]) -> list[list[int]]:
                 pairs.append([i, index[right + name[len(left):]]])
     return sorted(pairs)
 
+
+# Strict numbers in annotations.json (read_annotations): a NaN keypoint would train a NaN model
+class NonFiniteNumber(ValueError):
+    """NaN or Infinity (Python's json reads them; they are not JSON) or a number too large for a float."""
+
+
+def not_a_number(text: str):
+    raise NonFiniteNumber(text)
+
+
+def finite_float(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise NonFiniteNumber(text)
+    return value

@@ -1,11 +1,16 @@
 """Inference: a batch of images (uint8 (3, H, W) tensors) -> per image, each task's result on the CPU (or the
 TaskFailed of a task that failed on it). Each task runs on its own; a batch that fails is retried image by image.
+
+Two steps around the model may happen in other threads, so that the model runs batch after batch: each image's model
+inputs can be made ahead (prepare_ahead, in the decode thread), and a dense task's result is a Pending whose
+post-processing (back to the photo's size) runs where it is first needed, in the threads that make the files.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -14,6 +19,10 @@ import processing
 from sapiens2_app.boxes import pose_boxes
 from sapiens2_app.inputs import InputImage
 from sapiens2_app.models import LoadedModel
+
+# How each task's model sees the whole image: plain resize (ignoring the aspect ratio, as the original seg demo and
+# HF), or aspect-preserving resize + padding (as the original normal/pointmap/albedo demos). Pose sees person crops.
+PADDED = {"seg": False, "normal": True, "pointmap": True, "albedo": True, "matting": False, "features": False}
 
 
 @dataclass
@@ -37,8 +46,31 @@ class Inference:
     def input_size(self, task: str) -> tuple[int, int]:
         return self.size or tuple(self.models[task].backbone.config.image_size)
 
-    def prepare(self, task: str, images, pad: bool) -> processing.ModelInputs:
-        return processing.preprocess(images, self.input_size(task), pad=pad, resample=self.resample, device=self.device)
+    def prepare(self, task: str, images) -> processing.ModelInputs:
+        return processing.preprocess(images, self.input_size(task), pad=PADDED[task], resample=self.resample,
+                                     device=self.device)
+
+    def prepare_ahead(self, image: torch.Tensor) -> dict:
+        """One image's input to each whole-image model (or why it cannot be made), before its batch runs."""
+        prepared = {}
+        for task in PADDED:
+            if task in self.models:
+                try:
+                    prepared[task] = self.prepare(task, [image])
+                except Exception as error:  # noqa: BLE001 (the task fails on this image only, when it runs)
+                    prepared[task] = error
+        return prepared
+
+    def inputs(self, task: str, images, prepared: list | None) -> processing.ModelInputs:
+        """A batch's input to the task's model: the images' inputs made ahead, else made now."""
+        if prepared is None or any(one is None for one in prepared):
+            return self.prepare(task, images)
+        for one in prepared:
+            if isinstance(one, Exception):
+                raise one
+        return processing.ModelInputs(torch.cat([one.pixel_values for one in prepared]),
+                                      [one.image_sizes[0] for one in prepared],
+                                      [one.content_boxes[0] for one in prepared], prepared[0].model_size)
 
     def forward(self, task: str, pixel_values: torch.Tensor, method=None):
         """The task's model (or `method`, e.g. its flip test) on a batch, timed for the manifest."""
@@ -51,51 +83,92 @@ class Inference:
         return output
 
 
+class Pending:
+    """One image's result of a task, still to be post-processed from the model's output (resized back to the photo,
+    to the CPU): computed once, where it is first needed (the threads that make the files, while the model runs the
+    next batch; pose's boxes or --mask-with-seg need the segmentation at once)."""
+
+    def __init__(self, compute: Callable):
+        self.compute, self.value = compute, None
+
+    def result(self):
+        if self.compute is not None:
+            self.value, self.compute = self.compute(), None
+        return self.value
+
+
+def resolved(value):
+    """A result, post-processed if it was pending; a failure of that becomes the task's TaskFailed."""
+    if not isinstance(value, Pending):
+        return value
+    try:
+        return value.result()
+    except Exception as error:  # noqa: BLE001 (this image's task fails, the rest of the run goes on)
+        return TaskFailed(error)
+
+
 def rows(inputs: processing.ModelInputs) -> list[processing.ModelInputs]:
     """Per-image bookkeeping, to post-process one image at a time (full-size maps of a batch can be GBs)."""
     return [processing.ModelInputs(None, [s], [c], inputs.model_size)
             for s, c in zip(inputs.image_sizes, inputs.content_boxes)]
 
 
-def run_seg(ctx: Inference, images) -> list[torch.Tensor]:
-    inputs = ctx.prepare("seg", images, pad=False)  # plain resize, as the original seg demo and HF
-    logits = ctx.forward("seg", inputs.pixel_values).logits.float()
-    return [processing.postprocess_segmentation(logits[i : i + 1], row)[0].cpu()
+def run_seg(ctx: Inference, images, prepared=None) -> list[Pending]:
+    inputs = ctx.inputs("seg", images, prepared)
+    logits = ctx.forward("seg", inputs.pixel_values).logits
+    return [Pending(partial(_seg_back, logits[i : i + 1], row)) for i, row in enumerate(rows(inputs))]
+
+
+def _seg_back(logits, row) -> torch.Tensor:
+    return processing.postprocess_segmentation(logits.float(), row)[0].cpu()
+
+
+def run_normal(ctx: Inference, images, prepared=None) -> list[Pending]:
+    inputs = ctx.inputs("normal", images, prepared)
+    normals = ctx.forward("normal", inputs.pixel_values).normals
+    return [Pending(partial(_normal_back, normals[i : i + 1], row)) for i, row in enumerate(rows(inputs))]
+
+
+def _normal_back(normals, row) -> torch.Tensor:
+    return processing.postprocess_normals(normals.float(), row)[0].cpu()
+
+
+def run_pointmap(ctx: Inference, images, prepared=None) -> list[Pending]:
+    inputs = ctx.inputs("pointmap", images, prepared)
+    out = ctx.forward("pointmap", inputs.pixel_values)
+    return [Pending(partial(_pointmap_back, out.pointmaps[i : i + 1], out.scales[i : i + 1], row))
             for i, row in enumerate(rows(inputs))]
 
 
-def run_normal(ctx: Inference, images) -> list[torch.Tensor]:
-    inputs = ctx.prepare("normal", images, pad=True)  # aspect-preserving resize + padding, as the original
-    normals = ctx.forward("normal", inputs.pixel_values).normals.float()
-    return [processing.postprocess_normals(normals[i : i + 1], row)[0].cpu() for i, row in enumerate(rows(inputs))]
-
-
-def run_pointmap(ctx: Inference, images) -> list[torch.Tensor]:
-    inputs = ctx.prepare("pointmap", images, pad=True)
-    out = ctx.forward("pointmap", inputs.pixel_values)
-    pointmaps, scales = out.pointmaps.float(), out.scales.float()
+def _pointmap_back(pointmaps, scales, row) -> torch.Tensor:
     # smooth: the original demo's Gaussian pre-smoothing before upsampling (HF skips it)
-    return [processing.postprocess_pointmap(pointmaps[i : i + 1], scales[i : i + 1], row, smooth=True)[0]["pointmap"]
-            .cpu() for i, row in enumerate(rows(inputs))]
+    return processing.postprocess_pointmap(pointmaps.float(), scales.float(), row, smooth=True)[0]["pointmap"].cpu()
 
 
-def run_albedo(ctx: Inference, images) -> list[torch.Tensor]:
-    inputs = ctx.prepare("albedo", images, pad=True)
-    albedo = ctx.forward("albedo", inputs.pixel_values).albedo.float()
-    return [processing.postprocess_albedo(albedo[i : i + 1], row)[0].cpu() for i, row in enumerate(rows(inputs))]
+def run_albedo(ctx: Inference, images, prepared=None) -> list[Pending]:
+    inputs = ctx.inputs("albedo", images, prepared)
+    albedo = ctx.forward("albedo", inputs.pixel_values).albedo
+    return [Pending(partial(_albedo_back, albedo[i : i + 1], row)) for i, row in enumerate(rows(inputs))]
 
 
-def run_matting(ctx: Inference, images) -> list[dict]:
-    inputs = ctx.prepare("matting", images, pad=False)
+def _albedo_back(albedo, row) -> torch.Tensor:
+    return processing.postprocess_albedo(albedo.float(), row)[0].cpu()
+
+
+def run_matting(ctx: Inference, images, prepared=None) -> list[Pending]:
+    inputs = ctx.inputs("matting", images, prepared)
     out = ctx.forward("matting", inputs.pixel_values)
-    return [{k: v.cpu() for k, v in processing.postprocess_matting(
-                out.foregrounds[i : i + 1].float(), out.alphas[i : i + 1].float(), target_sizes=[size],
-                background=(255, 255, 255))[0].items()}
+    return [Pending(partial(_matting_back, out.foregrounds[i : i + 1], out.alphas[i : i + 1], size))
             for i, size in enumerate(inputs.image_sizes)]
 
 
-def run_features(ctx: Inference, images) -> list[dict]:
-    inputs = ctx.prepare("features", images, pad=False)
+def _matting_back(foregrounds, alphas, size) -> dict:
+    return {k: v.cpu() for k, v in processing.postprocess_matting(
+        foregrounds.float(), alphas.float(), target_sizes=[size], background=(255, 255, 255))[0].items()}
+
+
+def run_features(ctx: Inference, images, prepared=None) -> list[dict]:
+    inputs = ctx.inputs("features", images, prepared)
     out = ctx.forward("features", inputs.pixel_values)
     return [{"cls": out.cls[i].cpu(), "features": out.features[i].cpu()} for i in range(len(images))]
 
@@ -151,12 +224,19 @@ def run_each(ctx: Inference, runner, images: list, *per_image: list) -> list:
             for i, image in enumerate(images)]
 
 
-def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor]) -> list[dict]:
-    """All requested tasks on one batch -> per image {task: result or TaskFailed, "mask": foreground, None
-    or TaskFailed, "warnings": [...]}. Each task runs on its own: one failing (e.g. on a 3x2000 image) keeps the
-    others."""
+def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor], prepared: list | None = None) -> list[dict]:
+    """All requested tasks on one batch -> per image {task: result, Pending result or TaskFailed, "mask":
+    foreground, None or TaskFailed, "warnings": [...]}. Each task runs on its own: one failing (e.g. on a 3x2000
+    image) keeps the others. `prepared`: per image, prepare_ahead's inputs (None: made here)."""
     results = [{"mask": None, "warnings": []} for _ in images]
-    segmentations = run_each(ctx, run_seg, images) if "seg" in ctx.models else [None] * len(images)
+    prepared = prepared or [{} for _ in images]
+
+    def ahead(task):
+        return [one.get(task) for one in prepared]
+
+    segmentations = run_each(ctx, run_seg, images, ahead("seg")) if "seg" in ctx.models else [None] * len(images)
+    if ctx.mask_with_seg or ("pose" in ctx.tasks and ctx.seg_boxes):  # needed now, not only in the files
+        segmentations = [resolved(seg) for seg in segmentations]
     for result, seg in zip(results, segmentations):
         if "seg" in ctx.tasks:
             result["seg"] = seg
@@ -164,7 +244,7 @@ def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor]) -
             result["mask"] = seg if isinstance(seg, TaskFailed) else processing.foreground_mask(seg)
     for task, runner in DENSE_RUNNERS.items():
         if task in ctx.tasks:
-            for result, value in zip(results, run_each(ctx, runner, images)):
+            for result, value in zip(results, run_each(ctx, runner, images, ahead(task))):
                 result[task] = value
     if "pose" in ctx.tasks:
         detected = run_each(ctx, run_detector, images)  # a detector failure fails the image's pose only

@@ -17,7 +17,7 @@ from processing import keypoint_metadata
 from sapiens2_app import formats, pictures, tracking
 from sapiens2_app.artefacts import ARTEFACTS, MASKED_TASKS
 from sapiens2_app.cli import UsageError
-from sapiens2_app.inference import TaskFailed
+from sapiens2_app.inference import TaskFailed, resolved
 from sapiens2_app.inputs import InputImage
 from sapiens2_app.models import LoadedModel, features_model, keypoint_names
 from sapiens2_app.safe_io import REPEATING_WRITE_ERRORS, atomic_write, check_writable, encode, os_error_text
@@ -58,11 +58,11 @@ class Outputs:
 
     def make(self, item: InputImage, image: torch.Tensor, result: dict) -> dict:
         """Every task's files, made but not written: {task: {suffix: (what goes in the file, its bytes)}}, or the
-        task's error (its inference failed, or making a file did). No I/O: threads make images side by side."""
+        task's error (its inference failed, or making a file did). No I/O: threads make images side by side. A
+        result still pending is post-processed here first (render), beside the model's next batch."""
         made = {}
         for task in self.tasks:
             try:
-                inference_error(task, result)
                 makers = render(task, item, image, result, self.models[task])
                 made[task] = {}
                 for suffix, kinds in ARTEFACTS[task].items():
@@ -131,6 +131,8 @@ def prepare_output_folder(out: Path):
 # What goes in each file
 # ----------------------------------------------------------------------------------------------------
 def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loaded: LoadedModel) -> dict:
+    result[task] = resolved(result[task])  # post-processed now if it was pending (see make)
+    inference_error(task, result)
     value, mask = result[task], result["mask"] if task in MASKED_TASKS else None
     vis = stamp_random if loaded.random else (lambda picture: picture)  # pictures only: raw files stay raw
     if task == "seg":

@@ -113,49 +113,56 @@ class Run:
         decoded = Ahead(self.decode, batches, DECODE_AHEAD) if self.workers else map(self.decode, batches)
         try:
             for batch in decoded:
-                for item, image, result in self.infer(self.readable(batch)):
+                readable = self.readable(batch)
+                pairs, prepared = [(item, image) for item, image, _ in readable], [ahead for *_, ahead in readable]
+                for item, image, result in self.infer(pairs, prepared if self.workers else None):
                     self.write(item, image, result)
         finally:
             if isinstance(decoded, Ahead):
                 decoded.close()
 
-    def decode(self, batch: list[InputImage]) -> list[tuple[InputImage, torch.Tensor | Exception]]:
-        """Each image read (or why it cannot be), pinned for a copy to the GPU that does not wait for the CPU."""
+    def decode(self, batch: list[InputImage]) -> list[tuple[InputImage, torch.Tensor | Exception, dict]]:
+        """Each image read (or why it cannot be), pinned for a copy to the GPU that does not wait for the CPU, with
+        (pipelined) its inputs to the whole-image models made ahead of its batch (Inference.prepare_ahead)."""
         pinned = self.inference.device.type == "cuda"
         decoded = []
         for item in batch:
             try:
                 image = processing.load_image(item.path)
-                decoded.append((item, image.pin_memory() if pinned else image))
+                image = image.pin_memory() if pinned else image
+                decoded.append((item, image, self.inference.prepare_ahead(image) if self.workers else {}))
             except Exception as error:  # noqa: BLE001 (reported in order by readable)
-                decoded.append((item, error))
+                decoded.append((item, error, {}))
         return decoded
 
-    def readable(self, decoded: list[tuple[InputImage, torch.Tensor | Exception]]) -> list[tuple[InputImage, torch.Tensor]]:
-        """The images of a batch to compute: not those bound for a folder found unwritable (reported), nor those
-        that could not be read (reported). Waits first for the writes that decide whether their folders are."""
-        self.wait_for_first_writes([item for item, _ in decoded])
-        pairs = []
-        for item, image in decoded:
+    def readable(self, decoded: list[tuple[InputImage, torch.Tensor | Exception, dict]]) -> list[tuple]:
+        """The (item, image, inputs made ahead) of a batch to compute: not those bound for a folder found unwritable
+        (reported), nor those that could not be read (reported). Waits first for the writes that decide whether
+        their folders are."""
+        self.wait_for_first_writes([item for item, _, _ in decoded])
+        computable = []
+        for item, image, ahead in decoded:
             if (why := self.blocked_reason(item)) is not None:
                 self.fail(item, [(None, why)])
             elif isinstance(image, Exception):
                 self.fail(item, [(None, image)])
             else:
-                pairs.append((item, image))
-        return pairs
+                computable.append((item, image, ahead))
+        return computable
 
-    def infer(self, pairs: list[tuple[InputImage, torch.Tensor]]) -> list[tuple[InputImage, torch.Tensor, dict]]:
+    def infer(self, pairs: list[tuple[InputImage, torch.Tensor]], prepared: list[dict] | None = None
+              ) -> list[tuple[InputImage, torch.Tensor, dict]]:
         """(item, image, result) of each pair whose inference did not fail as a whole (each task on its own, failing
         images retried one by one inside); a failure outside the tasks (e.g. finding boxes) is retried image by
-        image, and an image it still fails on is reported."""
+        image, and an image it still fails on is reported. `prepared`: the pairs' model inputs made ahead."""
         if not pairs:
             return []
         try:
-            results = infer(self.inference, [item for item, _ in pairs], [image for _, image in pairs])
+            results = infer(self.inference, [item for item, _ in pairs], [image for _, image in pairs], prepared)
         except Exception as error:  # noqa: BLE001 (a failure outside the tasks)
             if len(pairs) > 1:
-                return [done for pair in pairs for done in self.infer([pair])]
+                return [done for i, pair in enumerate(pairs)
+                        for done in self.infer([pair], prepared and prepared[i : i + 1])]
             self.fail(pairs[0][0], [(None, error)])
             return []
         for result in results:

@@ -25,7 +25,7 @@ def _package_version(distribution: str) -> str | None:
 
 
 def _sapiens2_version() -> str:
-    pyproject = Path(__file__).with_name("pyproject.toml")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"  # the checkout's root, above sapiens2_app/
     match = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
     return match[1] if match else "unknown"
 

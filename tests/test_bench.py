@@ -98,3 +98,90 @@ def test_rounds_pool_the_timed_calls_and_a_failed_round_fails_the_row():
     failed = {"status": "timeout", "reason": "over 10 s"}
     assert e2e.merge_rounds([rounds[0], failed], batch=4) is failed
     assert e2e.merge_rounds(rounds[:1], batch=4) is rounds[0]
+
+
+def load_bench(name: str):
+    """A bench script as a module, by path (bench/ on sys.path would shadow the kernels package with kernels.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_job_row_is_saved_as_it_finishes_and_append_compares_with_earlier_outputs(tmp_path, monkeypatch):
+    """bench/e2e.py rewrites the JSON after every job: a run stopped during its second job (the GPU session's step
+    limit sends SIGINT) keeps the first job's row. A later --append run with the same work dir compares its rows
+    with that earlier reference's saved outputs, against 3x the reference's measured bf16 noise: 2.5x passes, 4x
+    is a MISMATCH (exit 1)."""
+    from safetensors.torch import save_file
+    import torch
+
+    e2e = load_bench("e2e")
+    offset = {"hf": 0.0, "ours": 0.025, "hf-compile": 0.04}  # each impl's output: 1 + offset (hf's noise: 1e-2)
+    interrupt = {"ours"}  # the first run is stopped during its ours job
+
+    def job_without_a_child(job, work, timeout):
+        if job["impl"] == "ours" and not (tmp_path / "e2e.json").exists():
+            raise AssertionError("the hf row must be on disk before the next job starts")
+        if job["impl"] in interrupt:
+            interrupt.discard(job["impl"])
+            raise KeyboardInterrupt
+        path = e2e.outputs_file(work, job)
+        save_file({"0": torch.full((8,), 1 + offset[job["impl"]])}, str(path))
+        return {"status": "ok", "times_ms": [2.0], "median_ms": 2.0, "min_ms": 2.0, "max_ms": 2.0, "iqr_ms": 0.0,
+                "images_per_s": 500.0, "outputs_path": str(path),
+                "noise_vs_fp32": 1e-2 if job["impl"] == "hf" else None}
+
+    monkeypatch.setattr(e2e, "run_job", job_without_a_child)
+    out = tmp_path / "e2e.json"
+    args = ["--device", "cpu", "--presets", "tiny", "--models", "backbone", "--batches", "1", "--size", "32", "32",
+            "--dtype", "bf16", "--rounds", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out), "--no-render"]
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main([*args, "--impls", "hf,ours"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r["status"]) for r in rows] == [("hf", "ok")]
+    assert not out.with_suffix(".md").exists() and not out.with_suffix(".png").exists()  # --no-render
+
+    assert e2e.main([*args, "--impls", "ours", "--append"]) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    ours = rows["ours"]
+    assert ours["reference"] == "hf" and ours["status"] == "ok" and ours["rel_err"] == pytest.approx(0.025, rel=1e-6)
+    assert ours["tolerance"] == pytest.approx(3e-2) and ours["tolerance_from"] == "3 x hf noise_vs_fp32"
+    assert e2e.main([*args, "--impls", "hf-compile", "--append"]) == 1
+    compiled = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}["hf-compile"]
+    assert compiled["status"] == "MISMATCH" and compiled["rel_err"] == pytest.approx(0.04, rel=1e-6)
+    assert set(rows) == {"hf", "ours"}  # the earlier rows stayed
+
+
+def test_reduced_precision_bound_without_a_measured_noise():
+    e2e = load_bench("e2e")
+    assert e2e.tolerance_of({"dtype": "fp32", "impl": "hf"}) == (1e-3, "fp32")
+    bound, source = e2e.tolerance_of({"dtype": "bf16", "impl": "hf", "noise_vs_fp32": None})
+    assert bound == e2e.REDUCED_PRECISION_FALLBACK and source.startswith("fixed")
+    assert e2e.tolerance_of({"dtype": "fp16", "impl": "ours", "noise_vs_fp32": 1e-5})[0] == 1e-3  # floor: fp32's
+
+
+def test_kernel_rows_append_across_processes(tmp_path):
+    """bench/kernels.py --append: each process's rows join the JSON the earlier ones wrote; a case measured again
+    replaces its row; --impls picks rows by group or name; a JSON that does not parse is refused, not overwritten."""
+    kernels_bench = load_bench("kernels")
+    out = tmp_path / "kernels.json"
+    case = dict(op="attention", model="0.4b", B=8, N=3081, Hq=16, Hkv=8, D=64, dtype="bfloat16")
+    first = kernels_bench.Recorder({"device": "gpu"}, out)
+    first.add({**case, "pass": "fwd", "impl": "reference", "ms_median": 3.0})
+    first.add({**case, "pass": "fwd", "impl": "triton[128x64w8s3]", "ms_median": None, "error": "compile"})
+    second = kernels_bench.Recorder({"device": "gpu"}, out, kernels_bench.read_previous(out))
+    second.add({**case, "pass": "fwd", "impl": "triton[128x64w8s3]", "ms_median": 1.0})
+    data = json.loads(out.read_text())
+    assert [(r["impl"], r["ms_median"]) for r in data["rows"]] == [("reference", 3.0), ("triton[128x64w8s3]", 1.0)]
+    assert len(data["runs"]) == 2
+    wanted = kernels_bench.impl_filter("sdpa,triton[128x64w8s3]")
+    names = ["triton", "auto", "reference", "sdpa_flash", "triton[128x64w8s3]", "triton[128x64w8s3o]"]
+    assert [n for n in names if wanted(n)] == ["reference", "sdpa_flash", "triton[128x64w8s3]"]
+    assert [n for n in names if kernels_bench.impl_filter("forced")(n)] == names[-2:]
+    (tmp_path / "half.json").write_text('{"rows": [')
+    with pytest.raises(SystemExit) as stopped:
+        kernels_bench.read_previous(tmp_path / "half.json")
+    assert stopped.value.code == 2

@@ -225,10 +225,9 @@ def test_bench_pipeline_runs_its_rows(tmp_path):
     assert [(r["tasks"], r["photo"], r["workers"]) for r in rows] == [("seg", "48x64", 0), ("seg", "48x64", 2)]
     for row in rows:
         assert row["free"]["images"] == 3 and row["free"]["images_per_s"] > 0
-        assert {"decode", "preprocess", "model", "postprocess", "render", "encode+write"} <= set(
+        assert {"decode", "preprocess", "model", "postprocess", "render", "encode", "write"} <= set(
             row["free"]["stage_wall_ms_per_image"])
-        held = row["stand_in"]
-        assert held["hold_ms_per_image"] == rows[0]["free"]["cpu_ms_per_image"]
-        assert held["ideal_images_per_s"] == pytest.approx(1000 / max(held["hold_ms_per_image"],
-                                                                       held["cpu_ms_per_image"]), abs=1e-3)
+        held = row["stand_in"]  # T: the serial free row's time per image (0.05 ms: its rounding)
+        assert held["hold_ms_per_image"] == pytest.approx(1000 / rows[0]["free"]["images_per_s"], abs=0.05)
+        assert held["ideal_images_per_s"] == pytest.approx(1000 / held["hold_ms_per_image"], abs=1e-3)
     assert result["device"] == "cpu" and "torch" in result["versions"]

@@ -423,7 +423,7 @@ def test_unwritable_subfolder_fails_its_images_only(checkpoints, tmp_path, monke
     out = tmp_path / "out"
     computed = []
     real_infer = pipeline.infer
-    monkeypatch.setattr(pipeline, "infer", lambda ctx, items, images: computed.extend(items) or
+    monkeypatch.setattr(pipeline, "infer", lambda ctx, items, images, prepared=None: computed.extend(items) or
                         real_infer(ctx, items, images))
     faulty_writer(monkeypatch, lambda file: errno.EACCES if (out / "ro") in file.parents else None)
     assert predict.main(["seg", str(folder), "-o", str(out), "--batch-size", "2",
@@ -578,10 +578,10 @@ def test_a_failing_task_fails_alone(checkpoints, tmp_path, monkeypatch, capsys):
     folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (16, 20)})
     real = inference.run_normal
 
-    def normal_fails_on_a(ctx, images):
+    def normal_fails_on_a(ctx, images, prepared=None):  # prepared: inputs made ahead (pipelined)
         if any(image.shape[-2:] == (20, 16) for image in images):
             raise RuntimeError("simulated kernel failure")
-        return real(ctx, images)
+        return real(ctx, images, prepared)
 
     monkeypatch.setitem(inference.DENSE_RUNNERS, "normal", normal_fails_on_a)
     out = tmp_path / "out"
@@ -820,10 +820,10 @@ def test_a_failed_segmentation_fails_what_needs_it_only(checkpoints, tmp_path, m
     folder = write_images(tmp_path / "in", {"a.jpg": (20, 16), "b.jpg": (16, 20)})
     real = inference.run_seg
 
-    def seg_fails_on_a(ctx, images):
+    def seg_fails_on_a(ctx, images, prepared=None):  # prepared: inputs made ahead (pipelined)
         if any(image.shape[-2:] == (20, 16) for image in images):
             raise RuntimeError("simulated seg failure")
-        return real(ctx, images)
+        return real(ctx, images, prepared)
 
     monkeypatch.setattr(inference, "run_seg", seg_fails_on_a)
     out = tmp_path / "out"
