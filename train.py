@@ -15,9 +15,9 @@ optimizer state (optimizer.safetensors + train_state.json: no pickle), log.jsonl
 step and per evaluation).
 
 This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/: the
-datasets (datasets.py, dataset_files.py, augmentation.py, targets.py), what each process reads (data_loading.py),
-the model it starts from (starting_model.py), the processes (distributed.py), the optimizer and schedule
-(optimization.py), the checkpoints (train_checkpoints.py) and the metrics (metrics.py).
+datasets (datasets.py, dataset_files.py, augmentation.py, pixel_augmentation.py, targets.py), what each process
+reads (data_loading.py), the model it starts from (starting_model.py), the processes (distributed.py), the optimizer
+and schedule (optimization.py), the checkpoints (train_checkpoints.py) and the metrics (metrics.py).
 """
 
 from __future__ import annotations
@@ -296,6 +296,7 @@ class Run:
         self.dist = Distributed(args.device, args.fsdp)
         self.out = Path(args.out)
         self.notes = []
+        self.dropped = 0  # training samples left out (and refetched) by the original's rules, this log window
         self.progress = Progress(0, unit="steps", bar=False, notes=self.dist.main)  # notes before the loop's bar
 
     def note(self, message: str):
@@ -327,6 +328,9 @@ class Run:
         size = tuple(model.config.image_size)
         self.train_set = datasets.build_dataset(args.task, Path(args.data), "train", size, args.augment, self.info)
         self.val_set = datasets.build_dataset(args.task, Path(args.data), "val", size, False, self.info)
+        if getattr(self.train_set, "dropped", None):
+            self.note(f"train/ people left out as the original's loaders do: "
+                      f"{datasets.describe_dropped(self.train_set.dropped)}")
         self.global_batch = args.batch_size * dist_info.world * args.accumulate
         if len(self.train_set) < self.global_batch:
             raise UsageError(
@@ -409,10 +413,13 @@ class Run:
                 raise TrainingStopped(f"the loss is {losses[-1]} at step {done}: the training diverged (a lower --lr, "
                                       f"or --clip-grad, may help); not saved; {kept_checkpoint(self.out)}")
             if done % args.log_every == 0 or done == self.stop:
-                mean = dist_info.all_reduce(torch.tensor([sum(losses) / len(losses)], dtype=torch.float64))
-                loss, lr = mean.item() / dist_info.world, self.learning_rate(step)
+                window = torch.tensor([sum(losses) / len(losses), self.dropped], dtype=torch.float64)
+                sums = dist_info.all_reduce(window)
+                loss, lr = sums[0].item() / dist_info.world, self.learning_rate(step)
                 rate = len(losses) * self.global_batch / (time.perf_counter() - window_start)
-                log.write({"step": done, "loss": loss, "lr": lr, "images_per_s": rate})
+                log.write({"step": done, "loss": loss, "lr": lr, "images_per_s": rate,
+                           "dropped_samples": int(sums[1].item())})
+                self.dropped = 0
                 progress.update(done, f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} img/s")
                 losses, window_start = [], time.perf_counter()
             stopping = dist_info.any(stop_signals.requested)  # every process stops at the same step
@@ -450,6 +457,7 @@ class Run:
     def micro_step(self, model, batch, micro: int) -> float:
         """Forward + backward of one micro-batch; gradients are synchronized after the last one only."""
         args = self.args
+        self.dropped += int(batch["dropped"].sum())  # samples the original's rules left out, replaced
         batch = to_device(batch, self.dist.device)
         last = micro == args.accumulate - 1
         if args.fsdp:

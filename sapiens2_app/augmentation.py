@@ -1,27 +1,20 @@
-"""Where a training sample's pixels come from: the crop (the whole image as predict.py shows it to the network, or
-a random one), the warps that move the image and its targets together, and colour jitter. Every random choice
-comes from the sample's own generator (datasets.py)."""
+"""Where a training sample's pixels come from, as the original's train_pipelines make them (in torch): the crop (the
+whole image as predict.py shows it to the network, or the pipeline's random one), the warps that move the image and
+its targets together, and which pixel augmentations (pixel_augmentation.py) run. Each task's random choices are
+drawn in one function (draw_pose, draw_dense) from the sample's own generator (datasets.py) and applied by
+deterministic ones, which tests/test_augmentation.py runs against the original's math on the same draws."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import processing
-
-
-# ----------------------------------------------------------------------------------------------------
-# Augmentation settings (the original's kinds, in torch; every random choice from the sample's generator)
-# ----------------------------------------------------------------------------------------------------
-DENSE_SCALE = (0.6, 1.2)  # crop box size relative to the whole-image box: < 1 zooms in
-DENSE_SHIFT = 0.2  # crop centre shift, as a share of the crop size
-COLOR_JITTER = 0.2  # brightness, contrast and saturation factors in [1 - j, 1 + j]
-POSE_SCALE = (0.75, 1.25)  # box size factor (mmpose RandomBBoxTransform-like)
-POSE_SHIFT, POSE_SHIFT_PROB = 0.16, 0.3
-POSE_ROTATION, POSE_ROTATION_PROB = 40.0, 0.6  # degrees
-HALF_BODY_PROB, HALF_BODY_MIN_KEYPOINTS = 0.3, 8
+from sapiens2_app.pixel_augmentation import (Photometric, box_blur, coarse_dropout, down_up, gaussian_blur,
+                                             gaussian_noise, median_blur, photometric_distortion, solarize)
 
 
 def uniform(generator: torch.Generator, low: float, high: float) -> float:
@@ -30,17 +23,6 @@ def uniform(generator: torch.Generator, low: float, high: float) -> float:
 
 def chance(generator: torch.Generator, p: float) -> bool:
     return torch.rand((), generator=generator).item() < p
-
-
-def color_jitter(image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """(3, H, W) float 0..255: random brightness, contrast and saturation."""
-    j = COLOR_JITTER
-    image = image * uniform(generator, 1 - j, 1 + j)
-    mean = image.mean()
-    image = (image - mean) * uniform(generator, 1 - j, 1 + j) + mean
-    gray = (0.299 * image[0] + 0.587 * image[1] + 0.114 * image[2])[None]
-    image = (image - gray) * uniform(generator, 1 - j, 1 + j) + gray
-    return image.clamp(0, 255)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -65,18 +47,127 @@ def letterbox_box(image_size, out_size) -> tuple[float, float, float, float]:
     return ((w - bw) / 2, (h - bh) / 2, bw, bh)
 
 
-def random_box(task: str, image_size, out_size, generator) -> tuple[float, float, float, float]:
-    """The whole-image box, scaled and shifted at random."""
-    x0, y0, bw, bh = whole_image_box(task, image_size, out_size)
+# The original's dense train_pipelines (dense/configs/{seg,normal,pointmap,albedo}/*/sapiens2_*.py)
+DENSE_SCALE, DENSE_SCALE_PROB = (0.5, 2.0), 0.3  # {Normal,Pointmap,Albedo}RandomScale (normal_transforms.py:18)
+CROP_ASPECT, CROP_AREA, CROP_ATTEMPTS, CROP_PROB = (0.5, 2.0), (0.4, 1.0), 8, 0.3  # ...RandomCropContinuous
+DENSE_FLIP_PROB = 0.3  # {Normal,Pointmap,Albedo}RandomFlip
+DOWN_UP_PROB, DOWN_UP_SCALE = 0.2, (0.1, 0.7)  # normal: RandomDownUpSampleImage (common_transforms.py:178)
+RESIZE_METHODS = ("nearest", "bilinear", "bicubic", "area", "bicubic")  # its 5 cv2 modes; Lanczos4 -> bicubic
+SEG_RESIZE, SEG_CROP_PROB, SEG_CAT_MAX_RATIO = (0.4, 2.0), 0.3, 0.75  # SegRandomResize, SegRandomCrop
+SEG_ROTATION, SEG_ROTATION_PROB = 60.0, 0.5  # SegRandomRotate (seg_transforms.py:18), filled with background
+SEG_FLIP_PROB = 0.5  # SegRandomHorizontalFlip
+GAUSSIAN_BLUR_SIGMA = (0.1, 2.0)  # RandomGaussianBlur(kernel_size=(3, 3)), common_transforms.py:227
+NOISE_VARIANCE = (5.0, 20.0)  # RandomGaussianNoise, common_transforms.py:285
+PIXEL_PROBS = {  # (gaussian blur, noise, solarize) probabilities per task's config
+    "seg": (0.3, 0.3, 0.0), "normal": (0.3, 0.3, 0.3), "pointmap": (0.0, 0.0, 0.0), "albedo": (0.0, 0.2, 0.0),
+    "matting": (0.0, 0.0, 0.0)}
+BACKGROUND_PROB = 0.8  # SegRandomBackground(prob=0.8)
+PHOTOMETRIC_TASKS = ("seg", "normal", "pointmap")  # PhotoMetricDistortion() in their train_pipeline (always)
+
+
+@dataclass(frozen=True)
+class DenseDraws:
+    """Every random choice of one dense sample (drawn by draw_dense, applied by dense_geometry and dense_pixels)."""
+    photometric: Photometric | None = None
+    down_up: tuple[float, str, str] | None = None  # (scale, down method, up method)
+    scale: float | None = None  # normal/pointmap/albedo: the image resized by this first
+    crop: tuple = ()  # normal/pointmap/albedo: CROP_ATTEMPTS (aspect, area share, u_y, u_x); empty = no crop
+    seg_resize: float = 1.0  # seg: the keep-ratio resize's ratio of the network size
+    seg_crop: tuple = ()  # seg: 10 (u_y, u_x) crop offsets (cat_max_ratio retries); empty = no crop
+    rotation: float = 0.0  # seg, degrees counter-clockwise (cv2.getRotationMatrix2D)
+    flip: bool = False
+    blur_sigma: float = 0.0  # gaussian 3x3 blur, 0 = none
+    noise: tuple[float, int] | None = None  # (standard deviation, seed of the noise field)
+    solarize: bool = False
+    background: float | None = None  # seg: which background photo (a share of their list), None = none
+
+
+def draw_dense(task: str, generator: torch.Generator) -> DenseDraws:
+    """The random choices of the task's train_pipeline, each with its configured probability."""
+    photometric = draw_photometric(generator) if task in PHOTOMETRIC_TASKS else None
+    down_up = (uniform(generator, *DOWN_UP_SCALE), RESIZE_METHODS[randint(generator, 0, 4)],
+               RESIZE_METHODS[randint(generator, 0, 4)])
+    down_up = down_up if task == "normal" and chance(generator, DOWN_UP_PROB) else None
     scale = uniform(generator, *DENSE_SCALE)
-    cx = x0 + bw / 2 + uniform(generator, -DENSE_SHIFT, DENSE_SHIFT) * bw * scale
-    cy = y0 + bh / 2 + uniform(generator, -DENSE_SHIFT, DENSE_SHIFT) * bh * scale
-    return (cx - bw * scale / 2, cy - bh * scale / 2, bw * scale, bh * scale)
+    scale = scale if chance(generator, DENSE_SCALE_PROB) else None
+    crop = tuple((uniform(generator, *CROP_ASPECT), uniform(generator, *CROP_AREA), uniform(generator, 0, 1),
+                  uniform(generator, 0, 1)) for _ in range(CROP_ATTEMPTS))
+    crop = crop if chance(generator, CROP_PROB) else ()
+    seg_resize = uniform(generator, *SEG_RESIZE)
+    seg_crop = tuple((uniform(generator, 0, 1), uniform(generator, 0, 1)) for _ in range(11))
+    seg_crop = seg_crop if chance(generator, SEG_CROP_PROB) else ()
+    rotation = uniform(generator, -SEG_ROTATION, SEG_ROTATION)
+    rotation = rotation if chance(generator, SEG_ROTATION_PROB) else 0.0
+    flip = chance(generator, SEG_FLIP_PROB if task == "seg" else DENSE_FLIP_PROB)
+    blur_p, noise_p, solarize_p = PIXEL_PROBS[task]
+    blur_sigma = uniform(generator, *GAUSSIAN_BLUR_SIGMA)
+    blur_sigma = blur_sigma if chance(generator, blur_p) else 0.0
+    noise = (math.sqrt(uniform(generator, *NOISE_VARIANCE)), randint(generator, 0, 2**31 - 1))
+    noise = noise if chance(generator, noise_p) else None
+    solarize = chance(generator, solarize_p)
+    background = uniform(generator, 0, 1)
+    background = background if task == "seg" and chance(generator, BACKGROUND_PROB) else None
+    if task == "seg":
+        scale, crop = None, ()
+    else:
+        seg_resize, seg_crop, rotation = 1.0, (), 0.0
+    if task == "matting":  # no original training pipeline: the normal-type crop and flip only
+        photometric = None
+    return DenseDraws(photometric, down_up, scale, crop, seg_resize, seg_crop, rotation, flip, blur_sigma, noise,
+                      solarize, background)
 
 
-def resample_box(maps: torch.Tensor, box, out_size, mode: str, fill: float = 0.0) -> torch.Tensor:
+def continuous_crop(image_size, attempts) -> tuple[int, int, int, int] | None:
+    """NormalRandomCropContinuous.transform (normal_transforms.py:189-221, the same in pointmap and albedo): the
+    first attempt whose box (aspect, area share of the image) fits, rounded, its corner random.randint(0, margin
+    + 1) (both ends included, so it may overhang by a pixel: the slice is then one shorter). (x0, y0, w, h)."""
+    h, w = image_size
+    for aspect, area, u_y, u_x in attempts:
+        crop_h = math.sqrt(area * h * w / aspect)
+        crop_w = aspect * crop_h
+        if crop_w <= w and crop_h <= h:
+            crop_h, crop_w = int(round(crop_h)), int(round(crop_w))
+            y0 = min(int(u_y * (h - crop_h + 2)), h - crop_h + 1)
+            x0 = min(int(u_x * (w - crop_w + 2)), w - crop_w + 1)
+            return (x0, y0, min(crop_w, w - x0), min(crop_h, h - y0))
+    return None
+
+
+def seg_resized_size(image_size, out_size, ratio: float) -> tuple[int, int]:
+    """SegRandomResize + SegResize(keep_ratio=True), seg_transforms.py:185-227: fit into int(network size x ratio)."""
+    h, w = image_size
+    factor = min(int(out_size[1] * ratio) / w, int(out_size[0] * ratio) / h)
+    return (int(round(h * factor)), int(round(w * factor)))
+
+
+def seg_crop_corner(labels_resized: torch.Tensor, out_size, offsets) -> tuple[int, int]:
+    """SegRandomCrop._generate_crop_bbox + cat_max_ratio (seg_transforms.py:276-325) on the resized labels (padded
+    with 255 to the crop size): up to 10 redraws until no class covers >= 75% of the crop's labelled pixels."""
+    h, w = labels_resized.shape
+    margin_h, margin_w = max(h - out_size[0], 0), max(w - out_size[1], 0)
+
+    def corner(u_y, u_x):
+        return min(int(u_y * (margin_h + 1)), margin_h), min(int(u_x * (margin_w + 1)), margin_w)
+    y0, x0 = corner(*offsets[0])
+    for u_y, u_x in offsets[1:]:
+        window = labels_resized[y0:y0 + out_size[0], x0:x0 + out_size[1]]
+        counts = torch.bincount(window[window != 255].long().flatten(), minlength=1)
+        counts = counts[counts > 0]
+        if len(counts) > 1 and counts.max() / counts.sum() < SEG_CAT_MAX_RATIO:
+            break
+        y0, x0 = corner(u_y, u_x)
+    return y0, x0
+
+
+def resample_box(maps: torch.Tensor, box, out_size, mode: str, fill: float = 0.0, window=None) -> torch.Tensor:
     """(C, H, W) float -> (C, *out_size): the box's content (pixel centres at +0.5, as a resize), `fill`
-    outside the source. mode: "bilinear" (images) or "nearest" (labels, normals, points, as the original)."""
+    outside the source (or outside `window`, (x0, y0, w, h) in its pixels: a crop's padding). mode: "bilinear"
+    (images) or "nearest" (labels, normals, points, as the original)."""
+    h, w = maps.shape[-2:]
+    wx0, wy0, ww, wh = window or (0, 0, w, h)
+    edges_x = (box[0] + (torch.arange(out_size[1], dtype=torch.float64) + 0.5) * box[2] / out_size[1] - wx0) / ww
+    edges_y = (box[1] + (torch.arange(out_size[0], dtype=torch.float64) + 0.5) * box[3] / out_size[0] - wy0) / wh
+    in_window = ((edges_y >= 0) & (edges_y <= 1))[:, None] & ((edges_x >= 0) & (edges_x <= 1))[None]
     shrink_y, shrink_x = min(1.0, out_size[0] / box[3]), min(1.0, out_size[1] / box[2])
     if mode == "bilinear" and min(shrink_x, shrink_y) < 1:  # an antialiased resize first, as predict.py's
         h, w = maps.shape[-2:]
@@ -92,7 +183,85 @@ def resample_box(maps: torch.Tensor, box, out_size, mode: str, fill: float = 0.0
     grid = torch.stack([gx, gy], dim=-1).float()[None]
     inside = (gx.abs() <= 1) & (gy.abs() <= 1)
     out = F.grid_sample(maps[None].float(), grid, mode=mode, padding_mode="border", align_corners=False)[0]
-    return torch.where(inside, out, torch.full_like(out, fill))
+    return torch.where(inside & in_window, out, torch.full_like(out, fill))
+
+
+def resample_affine(maps: torch.Tensor, to_source: torch.Tensor, out_size, mode: str) -> torch.Tensor:
+    """(C, H, W) float -> (C, *out_size) through a (3, 3) map network pixel -> source pixel (pixel-centre
+    coordinates), the border replicated (callers fill what lies outside); an antialiased shrink first where the map
+    shrinks (bilinear), as resample_box."""
+    h, w = maps.shape[-2:]
+    step_x, step_y = to_source[:2, 0].norm().item(), to_source[:2, 1].norm().item()  # source pixels per output one
+    if mode == "bilinear" and max(step_x, step_y) > 1:
+        small = (max(1, round(h / max(step_y, 1))), max(1, round(w / max(step_x, 1))))
+        maps = processing.resize(maps.float(), small, "bilinear_antialias")
+        to_source, (h, w) = resize_matrix((h, w), small) @ to_source.double(), small
+    source = source_points(to_source, out_size)  # (H, W, 2)
+    grid = torch.stack([(2 * source[..., 0] + 1) / w - 1, (2 * source[..., 1] + 1) / h - 1], -1).float()[None]
+    return F.grid_sample(maps[None].float(), grid, mode=mode, padding_mode="border", align_corners=False)[0]
+
+
+def source_points(to_source: torch.Tensor, out_size) -> torch.Tensor:
+    """(H, W, 2) source pixel (x, y) of each network pixel."""
+    gy, gx = torch.meshgrid(torch.arange(out_size[0], dtype=torch.float64),
+                            torch.arange(out_size[1], dtype=torch.float64), indexing="ij")
+    points = torch.stack([gx, gy], -1)
+    return points @ to_source[:2, :2].T.double() + to_source[:2, 2].double()
+
+
+def inside(points: torch.Tensor, size) -> torch.Tensor:
+    """Which (x, y) pixel-centre positions fall on an image of `size` (H, W)."""
+    return ((points[..., 0] >= -0.5) & (points[..., 0] <= size[1] - 0.5) & (points[..., 1] >= -0.5)
+            & (points[..., 1] <= size[0] - 0.5))
+
+
+def resize_matrix(from_size, to_size) -> torch.Tensor:
+    """(3, 3) pixel -> pixel of a resize (cv2.resize's pixel centres): x' = (x + 0.5) * W' / W - 0.5."""
+    sx, sy = to_size[1] / from_size[1], to_size[0] / from_size[0]
+    return torch.tensor([[sx, 0, 0.5 * sx - 0.5], [0, sy, 0.5 * sy - 0.5], [0, 0, 1]], dtype=torch.float64)
+
+
+def rotation_matrix(center, degrees: float) -> torch.Tensor:
+    """cv2.getRotationMatrix2D(center, degrees, 1.0) as (3, 3): counter-clockwise on the screen."""
+    a, b = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+    cx, cy = center
+    return torch.tensor([[a, b, (1 - a) * cx - b * cy], [-b, a, b * cx + (1 - a) * cy], [0, 0, 1]],
+                        dtype=torch.float64)
+
+
+def translation(dx: float, dy: float) -> torch.Tensor:
+    return torch.tensor([[1, 0, dx], [0, 1, dy], [0, 0, 1]], dtype=torch.float64)
+
+
+def mirror(width: int) -> torch.Tensor:
+    return torch.tensor([[-1.0, 0, width - 1], [0, 1, 0], [0, 0, 1]], dtype=torch.float64)
+
+
+@dataclass
+class SegGeometry:
+    """The seg train_pipeline's geometry, source pixel -> network pixel, and the region each step keeps."""
+    to_source: torch.Tensor  # (3, 3) network pixel -> source pixel
+    to_window: torch.Tensor  # (3, 3) network pixel -> pixel of the crop window before its rotation
+    window_size: tuple[int, int]  # (H, W) of that window
+
+
+def seg_geometry(image_size, out_size, draws: DenseDraws, labels: torch.Tensor | None) -> SegGeometry:
+    """SegRandomResize (keep ratio), SegRandomCrop (network size, padded), SegRandomRotate (about the window's
+    centre), SegRandomHorizontalFlip, SegResize (stretch to the network size), composed into one map. labels: the
+    (H, W) class map, for the crop's class-ratio retries (resized as cv2's INTER_NEAREST)."""
+    resized = seg_resized_size(image_size, out_size, draws.seg_resize)
+    window = (0, 0, *resized)  # (y0, x0, H, W) in the resized image
+    if draws.seg_crop:
+        small = processing.resize(labels[None].float(), resized, "nearest")[0]
+        window = (*seg_crop_corner(small, out_size, draws.seg_crop), *out_size)
+    y0, x0, wh, ww = window
+    to_window = resize_matrix(out_size, (wh, ww))  # SegResize, undone
+    if draws.flip:
+        to_window = mirror(ww) @ to_window
+    if draws.rotation:
+        to_window = torch.linalg.inv(rotation_matrix((ww / 2, wh / 2), draws.rotation)) @ to_window
+    to_source = resize_matrix(resized, image_size) @ translation(x0, y0) @ to_window
+    return SegGeometry(to_source, to_window, (wh, ww))
 
 
 def box_intrinsics(K: torch.Tensor, box, out_size) -> torch.Tensor:
@@ -110,13 +279,17 @@ def box_intrinsics(K: torch.Tensor, box, out_size) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 def crop_affine(center, crop, angle_degrees: float, size) -> torch.Tensor:
     """(3, 3) network pixel -> source pixel: the UDP crop of processing.crop_people, rotated about the
-    centre: p = c + R^T S^-1 (o - (size - 1) / 2), S = (size - 1) / crop."""
+    centre: p = c + R^T S^-1 (o - (size - 1) / 2), S = (size - 1) / crop. Its inverse is the original's
+    get_udp_warp_matrix (pose/datasets/transforms/bbox_transforms.py:108)."""
     theta = math.radians(angle_degrees)
-    rotation_t = torch.tensor([[math.cos(theta), math.sin(theta)], [-math.sin(theta), math.cos(theta)]])
-    scale = torch.tensor([(size[1] - 1) / crop[0], (size[0] - 1) / crop[1]])
+    rotation_t = torch.tensor([[math.cos(theta), math.sin(theta)], [-math.sin(theta), math.cos(theta)]],
+                              dtype=torch.float64)
+    scale = torch.tensor([(size[1] - 1) / crop[0], (size[0] - 1) / crop[1]], dtype=torch.float64)
     linear = rotation_t @ torch.diag(1 / scale)
-    offset = center - linear @ torch.tensor([(size[1] - 1) / 2, (size[0] - 1) / 2])
-    return torch.cat([torch.cat([linear, offset[:, None]], 1), torch.tensor([[0.0, 0.0, 1.0]])])
+    center = torch.as_tensor(center, dtype=torch.float64)
+    offset = center - linear @ torch.tensor([(size[1] - 1) / 2, (size[0] - 1) / 2], dtype=torch.float64)
+    return torch.cat([torch.cat([linear, offset[:, None]], 1), torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)]
+                     ).float()
 
 
 def invert_affine(matrix: torch.Tensor) -> torch.Tensor:
@@ -134,6 +307,199 @@ def warp(image: torch.Tensor, to_source: torch.Tensor, size, upscale: bool) -> t
     gy, gx = torch.meshgrid(torch.arange(size[0], dtype=torch.float32), torch.arange(size[1], dtype=torch.float32),
                             indexing="ij")
     source = apply_affine(to_source, torch.stack([gx, gy], -1).reshape(-1, 2)).reshape(*size, 2)
-    grid = torch.stack([2 * source[..., 0] / (w - 1) - 1, 2 * source[..., 1] / (h - 1) - 1], -1)[None]
+    grid = torch.stack([2 * source[..., 0] / max(w - 1, 1) - 1, 2 * source[..., 1] / max(h - 1, 1) - 1], -1)[None]
     mode = "bicubic" if upscale else "bilinear"
     return F.grid_sample(image[None], grid, mode=mode, padding_mode="zeros", align_corners=True)[0]
+
+
+# The original's pose train_pipeline (pose/configs/keypoints308/*/sapiens2_*.py: PoseRandomFlip, PoseRandomHalfBody,
+# PoseRandomBBoxTransform with their defaults, pose/datasets/transforms/pose_transforms.py:224-532)
+POSE_FLIP_PROB = 0.5
+POSE_SHIFT, POSE_SHIFT_PROB = 0.16, 0.3  # centre shift, a share of the box size, truncated normal in (-1, 1)
+POSE_SCALE = (0.5, 1.5)  # box size factor: truncated normal on (-1, 1), times 0.5, plus 1 (always)
+POSE_ROTATION, POSE_ROTATION_PROB = 80.0, 0.6  # degrees: truncated normal on (-1, 1), times 80
+BOX_PADDING = processing.CROP_PADDING  # PoseGetBBoxCenterScale: 1.25 on the annotated box (not the half body)
+HALF_BODY_PROB, HALF_BODY_UPPER_PROB = 0.3, 0.7  # tried with p 0.3; the upper half preferred with p 0.7
+HALF_BODY_MIN_VISIBLE, HALF_BODY_MIN_UPPER, HALF_BODY_MIN_LOWER = 9, 2, 3
+HALF_BODY_PADDING = 1.5  # the half body's keypoint extent x1.5, centred on their mean
+PHOTOMETRIC_PROB = 0.8  # RandomPhotoMetricDistortion(prob=0.8); dense configs: PhotoMetricDistortion (always)
+BLUR_PROB, MEDIAN_BLUR_PROB = 0.1, 0.1  # albumentations Blur, MedianBlur (blur_limit 7: kernel 3, 5 or 7)
+BLUR_KERNELS = (3, 5, 7)
+DROPOUT_SIZE = (0.2, 0.4)  # CoarseDropout: one hole, height and width these shares of the crop, always
+
+
+@dataclass(frozen=True)
+class PoseDraws:
+    """Every random choice of one pose sample (drawn by draw_pose; applied by pose_crop and pose_pixels)."""
+    flip: bool = False
+    half_body: bool = False  # the half-body crop is tried (if enough keypoints are visible)
+    prefer_upper: bool = True
+    shift: tuple[float, float] = (0.0, 0.0)  # centre shift, a share of the box size
+    scale: float = 1.0  # box size factor
+    rotation: float = 0.0  # degrees
+    photometric: Photometric | None = None
+    blur: int = 0  # box-blur kernel size, 0 = none
+    median_blur: int = 0
+    hole: tuple[int, int, int, int] | None = None  # coarse dropout (x0, y0, width, height) in network pixels
+
+
+def truncated_normal(generator: torch.Generator) -> float:
+    """A standard normal truncated to (-1, 1) (scipy's truncnorm(-1, 1)), by inverting its CDF: one uniform
+    draw per value, so the generator's stream does not depend on the values drawn."""
+    low = torch.special.ndtr(torch.tensor(-1.0, dtype=torch.float64))
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    return torch.special.ndtri(low + u * (1 - 2 * low)).clamp(-1, 1).item()
+
+
+def randint(generator: torch.Generator, low: int, high: int) -> int:
+    """An integer in [low, high], both included (Python's random.randint)."""
+    return int(torch.randint(low, high + 1, (), generator=generator).item())
+
+
+def draw_photometric(generator: torch.Generator) -> Photometric:
+    def maybe(value):  # each part with p 0.5 (random.randint(0, 1))
+        return value if chance(generator, 0.5) else None
+    brightness = maybe(uniform(generator, -32, 32))
+    contrast_first = chance(generator, 0.5)
+    contrast = maybe(uniform(generator, 0.5, 1.5))
+    saturation = maybe(uniform(generator, 0.5, 1.5))
+    hue = maybe(randint(generator, -18, 18))
+    return Photometric(brightness, contrast, contrast_first, saturation, hue)
+
+
+def draw_pose(generator: torch.Generator, size) -> PoseDraws:
+    """The random choices of the original's pose train_pipeline, each with its configured probability."""
+    flip = chance(generator, POSE_FLIP_PROB)
+    half_body, prefer_upper = chance(generator, HALF_BODY_PROB), chance(generator, HALF_BODY_UPPER_PROB)
+    shift = (truncated_normal(generator) * POSE_SHIFT, truncated_normal(generator) * POSE_SHIFT)
+    shift = shift if chance(generator, POSE_SHIFT_PROB) else (0.0, 0.0)
+    low, high = POSE_SCALE
+    scale = truncated_normal(generator) * (high - low) / 2 + (high + low) / 2
+    rotation = truncated_normal(generator) * POSE_ROTATION
+    rotation = rotation if chance(generator, POSE_ROTATION_PROB) else 0.0
+    photometric = draw_photometric(generator)
+    photometric = photometric if chance(generator, PHOTOMETRIC_PROB) else None
+    blur = BLUR_KERNELS[randint(generator, 0, 2)]
+    blur = blur if chance(generator, BLUR_PROB) else 0
+    median_blur = BLUR_KERNELS[randint(generator, 0, 2)]
+    median_blur = median_blur if chance(generator, MEDIAN_BLUR_PROB) else 0
+    return PoseDraws(flip, half_body, prefer_upper, shift, scale, rotation, photometric, blur, median_blur,
+                     draw_hole(generator, size))
+
+
+def draw_hole(generator: torch.Generator, size) -> tuple[int, int, int, int]:
+    """albumentations 1.x CoarseDropout(max_holes=1, min/max_height and width 0.2/0.4 as floats): hole sides
+    int(side * U(0.2, 0.4)), its corner uniform over the positions that keep it inside."""
+    height = int(size[0] * uniform(generator, *DROPOUT_SIZE))
+    width = int(size[1] * uniform(generator, *DROPOUT_SIZE))
+    y0, x0 = randint(generator, 0, size[0] - height), randint(generator, 0, size[1] - width)
+    return (x0, y0, width, height)
+
+
+def clip_box(box_xywh, image_size) -> torch.Tensor:
+    """COCO xywh -> xyxy clipped to the image's pixel centres [0, W - 1] x [0, H - 1], as the original's loader
+    (pose/datasets/pose_base_dataset.py:158); an empty result means the box lies outside the image."""
+    x, y, w, h = (float(v) for v in box_xywh)
+    height, width = image_size
+    return torch.tensor([min(max(x, 0), width - 1), min(max(y, 0), height - 1),
+                         min(max(x + w, 0), width - 1), min(max(y + h, 0), height - 1)], dtype=torch.float64)
+
+
+@dataclass
+class PoseCrop:
+    to_source: torch.Tensor  # (3, 3) network pixel -> source pixel (a flip included)
+    points: torch.Tensor  # (K, 2) keypoints in network pixels, in the sample's order (swapped after a flip)
+    visible: torch.Tensor  # (K,) bool: labelled and inside the crop
+    order: torch.Tensor  # (K,) the source keypoint of each of the sample's keypoints
+    upscale: bool  # the crop is enlarged (bicubic), else shrunk (bilinear)
+
+
+def pose_crop(box_xyxy, keypoints, image_width: int, size, draws: PoseDraws, flip_order, body_ids) -> PoseCrop:
+    """The original's pose geometry for given draws: PoseGetBBoxCenterScale (padding 1.25), PoseRandomFlip (on the
+    whole image), PoseRandomHalfBody, PoseRandomBBoxTransform and PoseTopdownAffine (aspect fixed, UDP matrix;
+    keypoints that leave the crop are no longer visible). keypoints (K, 3): image pixels + visibility;
+    body_ids: (upper ids, lower ids) of the keypoint set."""
+    box = torch.as_tensor(box_xyxy, dtype=torch.float64)
+    center, box_size = (box[:2] + box[2:]) / 2, (box[2:] - box[:2]) * BOX_PADDING
+    points = keypoints[:, :2].double().clone()
+    visible = keypoints[:, 2] > 0
+    order = torch.arange(len(keypoints))
+    if draws.flip:  # the original flips the image first: centre and keypoints mirrored, left and right swapped
+        order = torch.as_tensor(flip_order)
+        center = torch.stack([image_width - 1 - center[0], center[1]])
+        points, visible = points[order], visible[order]
+        points[:, 0] = image_width - 1 - points[:, 0]
+    half = half_body_ids(visible, draws, *body_ids)
+    if half is not None:
+        selected = points[half]
+        center = selected.mean(0)
+        box_size = (selected.amax(0) - selected.amin(0)) * HALF_BODY_PADDING
+    center = center + torch.tensor(draws.shift, dtype=torch.float64) * box_size
+    box_size = box_size * draws.scale
+    aspect = size[1] / size[0]
+    w, h = box_size.tolist()
+    crop = (w, w / aspect) if w > h * aspect else (h * aspect, h)
+    to_crop = crop_affine(center, crop, draws.rotation, size).double().inverse()  # source -> network
+    network = points @ to_crop[:2, :2].T + to_crop[:2, 2]
+    inside = (network[:, 0] >= 0) & (network[:, 0] < size[1]) & (network[:, 1] >= 0) & (network[:, 1] < size[0])
+    to_source = torch.linalg.inv(to_crop)
+    if draws.flip:
+        mirror = torch.tensor([[-1.0, 0, image_width - 1], [0, 1, 0], [0, 0, 1]], dtype=torch.float64)
+        to_source = mirror @ to_source
+    upscale = min((size[1] - 1) / crop[0], (size[0] - 1) / crop[1]) >= 1.0
+    return PoseCrop(to_source.float(), network.float(), visible & inside, order, upscale)
+
+
+def half_body_ids(visible: torch.Tensor, draws: PoseDraws, upper_ids, lower_ids) -> list[int] | None:
+    """PoseRandomHalfBody._random_select_half_body (pose_transforms.py:394): with >= 9 visible keypoints and the
+    draw, the visible upper (>= 2) or lower (>= 3) keypoints, the upper preferred; None = the whole box."""
+    if int(visible.sum()) < HALF_BODY_MIN_VISIBLE or not draws.half_body:
+        return None
+    upper = [i for i in upper_ids if visible[i]]
+    lower = [i for i in lower_ids if visible[i]]
+    if len(upper) < HALF_BODY_MIN_UPPER and len(lower) < HALF_BODY_MIN_LOWER:
+        return None
+    if len(lower) < HALF_BODY_MIN_LOWER:
+        return upper
+    if len(upper) < HALF_BODY_MIN_UPPER:
+        return lower
+    return upper if draws.prefer_upper else lower
+
+
+def pose_pixels(image: torch.Tensor, crop: PoseCrop, size, draws: PoseDraws) -> torch.Tensor:
+    """(3, H, W) 0..255 -> the crop (3, *size), on integer grey levels as the original's uint8 pipeline:
+    warped (rounded as cv2.warpAffine), photometric distortion, blur, median blur, coarse dropout."""
+    pixels = warp(image, crop.to_source, size, crop.upscale).clamp(0, 255).round()
+    if draws.photometric is not None:
+        pixels = photometric_distortion(pixels, draws.photometric)
+    if draws.blur:
+        pixels = box_blur(pixels, draws.blur)
+    if draws.median_blur:
+        pixels = median_blur(pixels, draws.median_blur)
+    if draws.hole is not None:
+        pixels = coarse_dropout(pixels, draws.hole)
+    return pixels
+
+
+def dense_pixels(task: str, pixels: torch.Tensor, draws: DenseDraws) -> torch.Tensor:
+    """The pixel augmentations that follow the geometry, in the config's order (on grey levels): seg: blur, noise,
+    photometric distortion; normal: blur, noise, solarize; albedo: noise."""
+    if draws.blur_sigma:
+        pixels = gaussian_blur(pixels, draws.blur_sigma)
+    if draws.noise is not None:
+        pixels = gaussian_noise(pixels, *draws.noise)
+    if task == "seg" and draws.photometric is not None:
+        pixels = photometric_distortion(pixels, draws.photometric)
+    if draws.solarize:
+        pixels = solarize(pixels)
+    return pixels
+
+
+def dense_source_pixels(task: str, image: torch.Tensor, draws: DenseDraws) -> torch.Tensor:
+    """The pixel augmentations before the geometry, at the image's size: normal and pointmap: photometric
+    distortion; normal: then the down-up sampling."""
+    if task != "seg" and draws.photometric is not None:
+        image = photometric_distortion(image, draws.photometric)
+    if draws.down_up is not None:
+        image = down_up(image, *draws.down_up)
+    return image

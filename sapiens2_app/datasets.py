@@ -28,15 +28,15 @@ from PIL import Image
 import processing
 from heads import CANONICAL_FOCAL
 from losses import matting_foreground_target
-from sapiens2_app.augmentation import (HALF_BODY_MIN_KEYPOINTS, HALF_BODY_PROB, POSE_ROTATION, POSE_ROTATION_PROB,
-                                       POSE_SCALE, POSE_SHIFT, POSE_SHIFT_PROB, apply_affine, box_intrinsics, chance,
-                                       color_jitter, crop_affine, invert_affine, random_box, resample_box, uniform,
-                                       warp, whole_image_box)
+from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, clip_box, continuous_crop, dense_pixels,
+                                       dense_source_pixels, draw_dense, draw_pose, inside, pose_crop, pose_pixels,
+                                       resample_affine, resample_box, seg_geometry, source_points, whole_image_box)
 from sapiens2_app.cli import UsageError
-from sapiens2_app.dataset_files import (IGNORE, TARGET_FOLDERS, TARGET_SUFFIX, check_size, fit_intrinsics,
-                                        flip_order, flip_pairs_from_names, header_size, keypoint_set, list_images,
-                                        paired_files, read_annotations, read_class_ids, read_classes,
+from sapiens2_app.dataset_files import (IGNORE, IMAGE_SUFFIXES, TARGET_FOLDERS, TARGET_SUFFIX, check_size,
+                                        fit_intrinsics, flip_order, flip_pairs_from_names, header_size, keypoint_set,
+                                        list_images, paired_files, read_annotations, read_class_ids, read_classes,
                                         read_intrinsics, read_npy, read_png, split_folder)
+from sapiens2_app.pixel_augmentation import random_background
 from sapiens2_app.targets import heatmap_sigma, udp_heatmaps
 
 # The task models' forward() arguments that a sample provides (besides pixel_values).
@@ -56,8 +56,11 @@ LOSS_KEYS = {
 class DenseDataset:
     """seg, normal, pointmap, matting, albedo: one sample per image."""
 
-    def __init__(self, task: str, folder: Path, size: tuple[int, int], augment: bool, class_names=None):
+    def __init__(self, task: str, folder: Path, size: tuple[int, int], augment: bool, class_names=None,
+                 drop_rules: bool = False):
+        """drop_rules: refetch the samples the original's training leaves out (dense_drop_reason)."""
         self.task, self.folder, self.size, self.augment = task, Path(folder), tuple(size), augment
+        self.drop_rules = drop_rules
         self.images = list_images(self.folder)
         self.names = list(self.images)
         self.targets = paired_files(self.folder, TARGET_FOLDERS[task], TARGET_SUFFIX[task], self.names)
@@ -70,6 +73,24 @@ class DenseDataset:
             self.class_flip[:len(class_names)] = flip_order(len(class_names), flip_pairs_from_names(class_names))
         self.intrinsics = read_intrinsics(self.folder, self.names) if task == "pointmap" else None
         self.check_sizes()
+        self.masked = self.names_with_masks()
+        backgrounds = self.folder.parent / "backgrounds"  # seg: photos to paste the people on (optional)
+        self.backgrounds = sorted(path for path in backgrounds.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES
+                                  ) if task == "seg" and backgrounds.is_dir() else []
+
+    def names_with_masks(self) -> set[str]:
+        """The images whose valid pixels a file gives (masks/, or albedo's alpha channel); the others are valid
+        wherever their target is finite."""
+        if self.masks is not None:
+            return set(self.names)
+        if self.task != "albedo":
+            return set()
+        masked = set()
+        for name, path in self.targets.items():
+            with Image.open(path) as image:
+                if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+                    masked.add(name)
+        return masked
 
     def check_sizes(self):
         """Every target (and mask) has its image's size: read from the file headers, so a mismatch is found
@@ -90,35 +111,85 @@ class DenseDataset:
         return len(self.names)
 
     def __getitem__(self, key) -> dict:
-        index, seed = key
+        return refetching(self.make_sample, key, len(self), self.drop_rules)
+
+    def make_sample(self, index: int, seed: int) -> tuple[dict, str | None]:
+        """(the sample, why the original's training would leave it out or None)."""
         name = self.names[index]
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(self.images[name]).float()
         image_size = tuple(image.shape[-2:])
         target, mask, K = self.read_target(name, image_size)
-        box = whole_image_box(self.task, image_size, self.size)
-        flip = False
-        if self.augment:
-            box = random_box(self.task, image_size, self.size, generator)
-            flip = chance(generator, 0.5)
-            image = color_jitter(image, generator)
-        sample = {"pixel_values": processing.normalize(resample_box(image, box, self.size, "bilinear"))}
-        label_mode = "bilinear" if self.task in ("matting", "albedo") else "nearest"
-        fill = float(IGNORE) if self.task == "seg" else 0.0
-        target = resample_box(target, box, self.size, label_mode, fill)
-        if mask is not None:
-            mask = resample_box(mask, box, self.size, "nearest")
-        if flip:
-            sample["pixel_values"] = sample["pixel_values"].flip(-1)
-            target = target.flip(-1)
-            mask = mask.flip(-1) if mask is not None else None
-            if self.task in ("normal", "pointmap"):
-                target[0] = -target[0]  # mirrored camera frame: x points the other way
-            if self.task == "seg":
-                target = self.class_flip[target.long()].float()
+        if not self.augment:
+            box, flip = whole_image_box(self.task, image_size, self.size), False
+            pixels, target, mask = self.resampled(image, target, mask, box, box)
+        elif self.task == "seg":
+            draws = draw_dense(self.task, generator)
+            pixels, target = self.seg_augmented(image, target, draws)
+            box, flip = None, draws.flip
+        else:
+            draws = draw_dense(self.task, generator)
+            image = dense_source_pixels(self.task, image, draws)
+            box, image_box, window, image_window, image = self.augmented_boxes(image, draws)
+            pixels, target, mask = self.resampled(image, target, mask, box, image_box, window, image_window)
+            pixels = pixels.clamp(0, 255).round()
+            flip = draws.flip
+            if flip:
+                pixels, target = pixels.flip(-1), target.flip(-1)
+                mask = mask.flip(-1) if mask is not None else None
+                if self.task in ("normal", "pointmap"):
+                    target[0] = -target[0]  # mirrored camera frame: x points the other way
+            pixels = dense_pixels(self.task, pixels, draws)
+        sample = {"pixel_values": processing.normalize(pixels)}
         self.finish(sample, target, mask, K, box, flip)
         sample["flipped"] = torch.tensor(flip)
-        return sample
+        return sample, dense_drop_reason(self.task, sample, name in self.masked)
+
+    def resampled(self, image, target, mask, box, image_box, window=None, image_window=None):
+        """The box's pixels (image_box: the same in the image's own pixels, which a random scale resized), target
+        and mask at the network size; outside the window (a crop), 0 as the original's padding."""
+        label_mode = "bilinear" if self.task in ("matting", "albedo") else "nearest"
+        fill = float(IGNORE) if self.task == "seg" else 0.0
+        pixels = resample_box(image, image_box, self.size, "bilinear", window=image_window)
+        target = resample_box(target, box, self.size, label_mode, fill, window=window)
+        if mask is not None:
+            mask = resample_box(mask, box, self.size, "nearest", window=window)
+        return pixels, target, mask
+
+    def augmented_boxes(self, image, draws):
+        """normal, pointmap, albedo (and matting): {Normal,...}RandomScale of the image, RandomCropContinuous, and
+        the resize and pad to the network size (Resize): the box, in source pixels and in the (scaled) image's,
+        and the crop window in both."""
+        h, w = image.shape[-2:]
+        scaled = (int(round(h * draws.scale)), int(round(w * draws.scale))) if draws.scale else (h, w)
+        crop = continuous_crop(scaled, draws.crop) if draws.crop else None
+        x0, y0, cw, ch = crop or (0, 0, scaled[1], scaled[0])
+        bx, by, bw, bh = whole_image_box(self.task, (ch, cw), self.size)
+        image_box, image_window = (x0 + bx, y0 + by, bw, bh), (x0, y0, cw, ch)
+        fx, fy = w / scaled[1], h / scaled[0]  # edge coordinates scale exactly
+
+        def to_source(b):
+            return (b[0] * fx, b[1] * fy, b[2] * fx, b[3] * fy)
+        if draws.scale:
+            image = processing.resize(image, scaled, "bilinear").clamp(0, 255).round()  # cv2.INTER_LINEAR
+        return to_source(image_box), image_box, to_source(image_window), image_window, image
+
+    def seg_augmented(self, image, target, draws):
+        """The seg train_pipeline's geometry in one resampling: its crop's padding is 255 (ignored), what its
+        rotation brings in is background (seg_pad_val=0) and black; then blur, noise, photometric distortion."""
+        if draws.background is not None and self.backgrounds:  # SegRandomBackground, first in the pipeline
+            pick = min(int(draws.background * len(self.backgrounds)), len(self.backgrounds) - 1)
+            image = random_background(image, target[0], processing.load_image(self.backgrounds[pick]))
+        geometry = seg_geometry(tuple(image.shape[-2:]), self.size, draws, target[0])
+        pixels = resample_affine(image, geometry.to_source, self.size, "bilinear")
+        labels = resample_affine(target, geometry.to_source, self.size, "nearest")
+        in_source = inside(source_points(geometry.to_source, self.size), image.shape[-2:])
+        in_window = inside(source_points(geometry.to_window, self.size), geometry.window_size)
+        pixels = torch.where(in_source & in_window, pixels, 0.0).clamp(0, 255).round()
+        labels = torch.where(in_window, torch.where(in_source, labels, float(IGNORE)), 0.0)
+        if draws.flip:
+            labels = self.class_flip[labels.long()].float()
+        return dense_pixels("seg", pixels, draws), labels
 
     def read_target(self, name: str, image_size):
         """(target (C, H, W) float, valid mask (1, H, W) or None, intrinsics or None) at the image's size."""
@@ -201,28 +272,83 @@ def matting_target(path: Path, image_size, image_path) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Samples the original's training leaves out, refetched
+# ----------------------------------------------------------------------------------------------------
+MIN_FOREGROUND = 0.01  # seg: dense/datasets/transforms/seg_transforms.py:136-141 (class > 0 and != 255)
+MIN_VALID_PIXELS = 16  # normal, albedo, pointmap: normal_transforms.py:413, albedo_transforms.py:379, pointmap 573
+MAX_VALID_SHARE = 0.96  # normal_transforms.py:416, albedo_transforms.py:382, pointmap_transforms.py:576
+MIN_CANONICAL_DEPTH = 0.04  # pointmap_transforms.py:580: a point (nearly) inside the canonical camera
+MAX_REFETCH = 1000  # engine/datasets/base_dataset.py:45
+
+
+def dense_drop_reason(task: str, sample: dict, masked: bool) -> str | None:
+    """Why the original's training would leave out this (augmented, resized) sample, or None to keep it; checked
+    where its PackInputs checks, on the network-size targets. The > 96% valid rule only applies where a file gives
+    the valid pixels (`masked`): without one, every pixel of a finite target is valid, and the rule would leave
+    out every sample."""
+    if task == "seg":
+        labels = sample["labels"]
+        return "under 1% foreground" if ((labels > 0) & (labels != IGNORE)).float().mean() < MIN_FOREGROUND else None
+    if task not in ("normal", "albedo", "pointmap"):
+        return None
+    valid = sample["mask"] > 0
+    if int(valid.sum()) < MIN_VALID_PIXELS:
+        return f"fewer than {MIN_VALID_PIXELS} valid pixels"
+    if masked and valid.float().mean() > MAX_VALID_SHARE:
+        return "over 96% of the pixels valid"
+    if task == "pointmap" and sample["labels"][2][valid[0]].min() < MIN_CANONICAL_DEPTH:
+        return f"canonical depth under {MIN_CANONICAL_DEPTH}"
+    return None
+
+
+def refetching(make_sample, key, count: int, drop_rules: bool) -> dict:
+    """make_sample(index, seed) -> (sample, reason to leave it out); with drop_rules, a sample left out is replaced
+    by another index at random (the original's BaseDataset.__getitem__), the choice seeded by the sample's seed so
+    that any process fetches the same. sample["dropped"]: how many were left out for it (train.py logs the sum)."""
+    index, seed = key
+    generator = None
+    for attempt in range(MAX_REFETCH + 1):
+        sample, reason = make_sample(index, seed)
+        if not drop_rules or reason is None:
+            sample["dropped"] = torch.tensor(attempt)
+            return sample
+        generator = generator or torch.Generator().manual_seed(int(seed) + 0x5DEECE66D)
+        index = int(torch.randint(count, (), generator=generator))
+        seed = int(torch.randint(2**62, (), generator=generator))
+    raise UsageError(f"no training sample kept after {MAX_REFETCH} tries (the last left out: {reason}); see "
+                     f"docs/training.md, 'Samples left out'")
+
+
+# ----------------------------------------------------------------------------------------------------
 # Pose: one sample per person, a top-down crop with UDP heatmap targets
 # ----------------------------------------------------------------------------------------------------
 class PoseDataset:
-    """One sample per annotated person (with at least one visible keypoint)."""
+    """One sample per annotated person that the original's loader keeps (see drop_reason)."""
 
-    def __init__(self, folder: Path, size: tuple[int, int], augment: bool, heatmap_downscale: int = 4):
-        self.folder, self.size, self.augment = Path(folder), tuple(size), augment
+    def __init__(self, folder: Path, size: tuple[int, int], augment: bool, heatmap_downscale: int = 4,
+                 min_visible: int = 1):
+        """min_visible: the fewest visible keypoints a person needs (training: MIN_VISIBLE_KEYPOINTS)."""
+        self.folder, self.size, self.augment, self.min_visible = Path(folder), tuple(size), augment, min_visible
+        self.drop_rules = min_visible > 1  # training: crops with too few keypoints are refetched too
         self.heatmap_size = (size[0] // heatmap_downscale, size[1] // heatmap_downscale)
         coco, path = read_annotations(self.folder)
         self.meta = keypoint_set(coco, path)
+        self.flip_order = flip_order(len(self.meta["keypoint_names"]), self.meta["flip_pairs"])
+        self.body_ids = body_halves(self.meta["keypoint_names"])
+        self.dropped: dict[str, int] = {}  # reason -> people left out
         self.people = self.read_people(coco, path)
         if not self.people:
-            raise UsageError(f"{path}: no annotation with a visible keypoint")
+            raise UsageError(f"{path}: no person to train on ({describe_dropped(self.dropped)})")
 
     def read_people(self, coco: dict, path: Path) -> list[dict]:
         K = len(self.meta["keypoint_names"])
-        files = {}
+        files, sizes = {}, {}
         for image in coco.get("images", []):
             file = self.folder / "images" / image["file_name"]
             if not file.is_file():
                 raise UsageError(f"{file}: no such file (listed in {path}, image id {image['id']})")
             files[image["id"]] = file
+            sizes[image["id"]] = (image["height"], image["width"]) if "height" in image and "width" in image else None
         people = []
         for ann in coco.get("annotations", []):
             if ann.get("iscrowd"):
@@ -237,66 +363,98 @@ class PoseDataset:
             bbox = ann.get("bbox")
             if bbox is None or len(bbox) != 4 or bbox[2] <= 0 or bbox[3] <= 0:
                 raise UsageError(f"{where}: bbox must be [x, y, width, height] with width, height > 0, got {bbox}")
-            keypoints = keypoints.reshape(K, 3)
-            if (keypoints[:, 2] > 0).any():
-                area = float(ann.get("area") or bbox[2] * bbox[3])
-                people.append({"file": files[ann["image_id"]], "bbox": [float(v) for v in bbox],
-                               "keypoints": torch.from_numpy(keypoints), "area": area})
+            image_id = ann["image_id"]
+            if sizes[image_id] is None:
+                sizes[image_id] = header_size(files[image_id])
+            keypoints = torch.from_numpy(keypoints.reshape(K, 3))
+            box = clip_box(bbox, sizes[image_id])
+            reason = drop_reason(box, keypoints, sizes[image_id], self.min_visible)
+            if reason:
+                self.dropped[reason] = self.dropped.get(reason, 0) + 1
+                continue
+            area = float(ann.get("area") or bbox[2] * bbox[3])
+            people.append({"file": files[image_id], "bbox": [float(v) for v in bbox], "box_xyxy": box,
+                           "keypoints": keypoints, "area": area})
         return people
 
     def __len__(self) -> int:
         return len(self.people)
 
     def __getitem__(self, key) -> dict:
-        index, seed = key
+        return refetching(self.make_sample, key, len(self), self.drop_rules)
+
+    def make_sample(self, index: int, seed: int) -> tuple[dict, str | None]:
         person = self.people[index]
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(person["file"]).float()
-        keypoints = person["keypoints"].clone()  # (K, 3) image pixels + visibility
-        center, crop, angle, flip = self.crop_parameters(torch.tensor(person["bbox"]), keypoints, generator)
-        if self.augment:
-            image = color_jitter(image, generator)
-        to_source = crop_affine(center, crop, angle, self.size)  # (3, 3): network pixel -> source pixel
-        pixels = warp(image, to_source, self.size, upscale=bool((crop <= torch.tensor(self.size[::-1]) - 1).all()))
-        points = apply_affine(invert_affine(to_source), keypoints[:, :2])  # network pixels
-        visible = keypoints[:, 2] > 0
-        truth = person["keypoints"]
-        if flip:  # mirror the crop; left and right keypoints swap names
-            order = flip_order(len(points), self.meta["flip_pairs"])
-            pixels = pixels.flip(-1)
-            points[:, 0] = self.size[1] - 1 - points[:, 0]
-            points, visible, truth = points[order], visible[order], truth[order]
-            to_source = to_source @ torch.tensor([[-1.0, 0, self.size[1] - 1], [0, 1, 0], [0, 0, 1]])
-        heatmaps, weights = udp_heatmaps(points, visible, self.size, self.heatmap_size, heatmap_sigma(self.heatmap_size))
+        draws = draw_pose(generator, self.size) if self.augment else PoseDraws()
+        crop = pose_crop(person["box_xyxy"], person["keypoints"], image.shape[-1], self.size, draws,
+                         self.flip_order, self.body_ids)
+        pixels = pose_pixels(image, crop, self.size, draws)
+        heatmaps, weights = udp_heatmaps(crop.points, crop.visible, self.size, self.heatmap_size,
+                                         heatmap_sigma(self.heatmap_size))
         return {"pixel_values": processing.normalize(pixels), "labels": heatmaps, "label_weights": weights,
-                "keypoints": truth, "to_source": to_source, "bbox": torch.tensor(person["bbox"]),
-                "area": torch.tensor(person["area"]), "flipped": torch.tensor(flip)}
+                "keypoints": person["keypoints"][crop.order], "to_source": crop.to_source,
+                "bbox": torch.tensor(person["bbox"]), "area": torch.tensor(person["area"]),
+                "flipped": torch.tensor(draws.flip)}, crop_drop_reason(crop.visible)
 
-    def crop_parameters(self, box, keypoints, generator):
-        """(centre, crop size (w, h), rotation in degrees, flip) of the person's crop; augmented when training."""
-        if not self.augment:
-            center, crop = processing.crop_geometry(box[None], self.size)
-            return center[0], crop[0], 0.0, False
-        center, crop = processing.crop_geometry(self.half_body(box, keypoints, generator)[None], self.size)
-        center, crop = center[0], crop[0]
-        if chance(generator, POSE_SHIFT_PROB):
-            center = center + crop * torch.tensor([uniform(generator, -1, 1), uniform(generator, -1, 1)]) * POSE_SHIFT
-        crop = crop * uniform(generator, *POSE_SCALE)
-        angle = uniform(generator, -POSE_ROTATION, POSE_ROTATION) if chance(generator, POSE_ROTATION_PROB) else 0.0
-        return center, crop, angle, chance(generator, 0.5)
 
-    def half_body(self, box, keypoints, generator):
-        """The original's half-body augmentation, for any keypoint set: with probability 0.3 and enough
-        visible keypoints, the box of the upper or lower half of them (by height), enlarged 1.5x."""
-        visible = keypoints[keypoints[:, 2] > 0, :2]
-        if len(visible) < HALF_BODY_MIN_KEYPOINTS or not chance(generator, HALF_BODY_PROB):
-            return box
-        order = visible[:, 1].argsort()
-        half = order[: len(order) // 2] if chance(generator, 0.5) else order[len(order) // 2:]
-        low, high = visible[half].amin(0), visible[half].amax(0)
-        size = (high - low).clamp(min=1) * 1.5
-        center = (low + high) / 2
-        return torch.cat([center - size / 2, size])
+MIN_CROP_KEYPOINTS = 3  # pose_base_dataset.py:76: "absolute minimum visible keypoints is 3" (after the crop)
+
+
+def crop_drop_reason(visible: torch.Tensor) -> str | None:
+    return f"fewer than {MIN_CROP_KEYPOINTS} keypoints in the crop" if int(visible.sum()) < MIN_CROP_KEYPOINTS else None
+
+
+MIN_VISIBLE_KEYPOINTS = 8  # the released loaders' min_visible_keypoints (pose/configs/_base_/keypoints308.py:790)
+
+
+def drop_reason(box_xyxy, keypoints, image_size, min_visible: int) -> str | None:
+    """Why the original's loaders leave a person out (pose/datasets/pose_base_dataset.py:158-214: a clipped box
+    with no area, keypoints all at (0, 0), none labelled; and for training keypoints308_shutterstock_dataset.py:
+    111-156: keypoints outside the image do not count, fewer than 8 visible are too few), or None to keep it.
+    box_xyxy: clipped to the image."""
+    if box_xyxy[2] <= box_xyxy[0] or box_xyxy[3] <= box_xyxy[1]:
+        return "box outside the image"
+    if keypoints[:, :2].max() <= 0:
+        return "keypoints all at (0, 0)"
+    height, width = image_size
+    x, y = keypoints[:, 0], keypoints[:, 1]
+    in_image = (x > 0) & (x < width) & (y > 0) & (y < height)
+    if not (keypoints[:, 2] > 0).any():
+        return "no visible keypoint"
+    if min_visible > 1 and int(((keypoints[:, 2] > 0) & in_image).sum()) < min_visible:
+        return f"fewer than {min_visible} visible keypoints in the image"
+    return None
+
+
+def describe_dropped(dropped: dict[str, int]) -> str:
+    return ", ".join(f"{count} left out: {reason}" for reason, count in sorted(dropped.items())) or "none left out"
+
+
+LOWER_BODY_WORDS = ("hip", "knee", "ankle", "heel", "toe", "foot", "feet")
+
+
+def known_halves() -> list[tuple[list[str], set[str], set[str]]]:
+    """(official names, upper names, lower names) of the known sets: the original's keypoint types (`type="upper"`
+    / `"lower"`): the 308 set's upper_body_ids/lower_body_ids (data/keypoints308.json); COCO-WholeBody 133 and
+    COCO 17 (keypoints308.py's coco_wholebody_info): nose to wrists / hips to feet (the 6 foot points: 133 only)."""
+    sapiens, wholebody = processing.keypoint_metadata(), processing.read_data("coco_wholebody133.json")
+    names308, names133 = sapiens["keypoint_names"], wholebody["keypoint_names"]
+    upper308, lower308 = ({names308[i] for i in sapiens[key]} for key in ("upper_body_ids", "lower_body_ids"))
+    return [(names308, upper308, lower308), (names133, set(names133[:11]), set(names133[11:23])),
+            (names133[:17], set(names133[:11]), set(names133[11:17]))]
+
+
+def body_halves(names: list[str]) -> tuple[list[int], list[int]]:
+    """(upper ids, lower ids) for the half-body crop: a known set's (its names in any order, see known_halves); for
+    another set, by name: hips, knees, ankles, heels, toes and feet are the lower half, every other keypoint the
+    upper."""
+    for official, upper, lower in known_halves():
+        if len(names) == len(official) and sorted(names) == sorted(official):
+            return [i for i, n in enumerate(names) if n in upper], [i for i, n in enumerate(names) if n in lower]
+    lower = [i for i, name in enumerate(names) if any(word in name.lower() for word in LOWER_BODY_WORDS)]
+    return [i for i in range(len(names)) if i not in lower], lower
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -321,11 +479,11 @@ def build_dataset(task: str, root: Path, split: str, size, augment: bool, info: 
     if folder is None:
         return None
     if task == "pose":
-        dataset = PoseDataset(folder, size, augment)
+        dataset = PoseDataset(folder, size, augment, min_visible=MIN_VISIBLE_KEYPOINTS if split == "train" else 1)
         if dataset.meta["keypoint_names"] != info["keypoint_names"]:
             raise UsageError(f"{folder / 'annotations.json'}: its keypoint names differ from train/'s")
         return dataset
-    return DenseDataset(task, folder, size, augment, class_names=info.get("class_names"))
+    return DenseDataset(task, folder, size, augment, class_names=info.get("class_names"), drop_rules=split == "train")
 
 
 def collate(samples: list[dict]) -> dict:

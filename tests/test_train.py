@@ -24,8 +24,8 @@ import processing
 import train
 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
-from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, starting_model,
-                          targets)
+from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, pixel_augmentation,
+                          starting_model, targets)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = (64, 48)  # network input (H, W)
@@ -203,7 +203,7 @@ def test_pose_targets_match_processing_and_perfect_heatmaps_score_one(tmp_path):
     person = val.people[0]
     sample = val[(0, 0)]
     image = processing.load_image(person["file"])
-    expected = processing.preprocess_crops([image], [[person["bbox"]]], SIZE, resample="hf").pixel_values[0]
+    expected = processing.preprocess_crops([image], [[person["bbox"]]], SIZE).pixel_values[0]  # uint8 levels
     torch.testing.assert_close(sample["pixel_values"], expected, atol=1e-4, rtol=0)
     heatmaps, weights_ = targets.pose_heatmap_targets([[person["bbox"]]], [[person["keypoints"].numpy()]], SIZE,
                                                       sigma=targets.heatmap_sigma((16, 12)))
@@ -334,12 +334,21 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
         in_photo = augmentation.apply_affine(sample["to_source"], peaks[0] * scale)
         inner = (peaks[0] >= 1).all(-1) & (peaks[0][:, 0] <= 22) & (peaks[0][:, 1] <= 30)  # DARK is biased at edges
         seen = (sample["label_weights"] > 0) & inner
-        assert seen.sum() >= 8
+        assert seen.sum() >= 4  # a half-body crop (the lower half: 6 keypoints) or a zoom may leave some out
         torch.testing.assert_close(in_photo[seen], expected[seen, :2], atol=0.3, rtol=0)
         pixels = sample["pixel_values"] * torch.tensor(processing.IMAGENET_STD).view(3, 1, 1) * 255
         pixels = pixels + torch.tensor(processing.IMAGENET_MEAN).view(3, 1, 1) * 255
+        draws = augmentation.draw_pose(torch.Generator().manual_seed(seed), (128, 96))  # the sample's first draws
+        if draws.blur or draws.median_blur:  # a one-pixel dot does not survive them
+            continue
+        white = torch.full((3, 1, 1), 255.0)
+        white = pixel_augmentation.photometric_distortion(white, draws.photometric) if draws.photometric else white
+        hole_x, hole_y, hole_w, hole_h = draws.hole
         for x, y in (peaks[0][seen] * scale).round().long().tolist():
-            assert pixels[:, max(y - 3, 0) : y + 4, max(x - 3, 0) : x + 4].amax() > 150  # the dot, jittered
+            if hole_x - 3 <= x < hole_x + hole_w + 3 and hole_y - 3 <= y < hole_y + hole_h + 3:
+                continue  # (near) the coarse dropout's hole
+            dot = pixels[:, max(y - 3, 0) : y + 4, max(x - 3, 0) : x + 4].amax()
+            assert dot > 0.6 * white.amax()  # the dot, jittered
     assert 0 < flips < len(SEEDS)
 
 
