@@ -473,7 +473,11 @@ def train(args, argv=None) -> int:
     try:
         run = Run(args, argv)
         run.setup()
-        return run.loop()
+        status = run.loop()
+        # every process leaves together, its collectives all complete: a process that tears down its gloo group
+        # while work of it is still in flight can abort at exit ("terminate called without an active exception")
+        run.dist.barrier()
+        return status
     except USER_ERRORS as error:  # bad data, checkpoint or launch: the message names the file or setting
         print(f"error: {error}", file=sys.stderr)
         return 2
