@@ -9,10 +9,10 @@ pipelined one, side by side in one run.
 Each row runs predict.main on synthetic photos (smooth random JPEGs) with the models replaced:
   free       the model costs nothing: each forward returns a cached output of the right shape (1024x768 input);
              images/s, and CPU ms per image per stage (thread CPU time, summed over the threads that ran it)
-  stand-in   each forward holds the batch for T ms without using the CPU (time.sleep), as a GPU would, with T per
-             image = the time per image of the serial runner's free row (the CPU work of an image when nothing
-             overlaps; the balanced case, where a serial loop gets 1/2 of the ideal); images/s against the ideal
-             1 / max(T, that CPU work) = 1 / T. (Not the process CPU time: torch's own threads make it larger than
+  stand-in   the models hold each batch for T ms per image in all (each model its share) without using the CPU
+             (time.sleep), as a GPU would, with T = the time per image of the serial runner's free row (the CPU
+             work of an image when nothing overlaps; the balanced case, where a serial loop gets 1/2 of the
+             ideal); images/s against the ideal 1 / max(T, that CPU work) = 1 / T. (Not the process CPU time: torch's own threads make it larger than
              the wall time on a multi-core CPU, which would lower the ideal and flatter every row.)
   real       (--real SIZE) predict.py with real-size models (random weights: speed does not depend on them) against
              the model alone on the same batches (forward only, as bench/e2e.py times it): images/s of each, the
@@ -99,9 +99,11 @@ def real_models(tasks: list[str]) -> dict[str, heads.Sapiens2ForTask]:
 
 @contextlib.contextmanager
 def stand_in_models(built: dict, hold_ms: float):
-    """predict.py's model loading returns the cached models (the rest of predict.py runs as it is)."""
+    """predict.py's model loading returns the cached models (the rest of predict.py runs as it is). `hold_ms`: per
+    image, for all the models together (each model holds its share: an image of seg,normal,pose holds T in all)."""
     real = models.load_models
-    cached = {task: models.LoadedModel(CachedModel(model, hold_ms), f"stand-in {task}") for task, model in built.items()}
+    share = hold_ms / len(built)
+    cached = {task: models.LoadedModel(CachedModel(model, share), f"stand-in {task}") for task, model in built.items()}
     models.load_models = lambda choice, tasks, *args, **kwargs: {task: cached[task] for task in tasks}
     try:
         yield

@@ -173,8 +173,9 @@ def run_features(ctx: Inference, images, prepared=None) -> list[dict]:
     return [{"cls": out.cls[i].cpu(), "features": out.features[i].cpu()} for i in range(len(images))]
 
 
-def run_pose(ctx: Inference, images, boxes: list[list]) -> list[list[dict]]:
-    """Top-down: crop each person box, heatmaps (with the flip test), decode to image pixels."""
+def run_pose(ctx: Inference, images, boxes: list[list]) -> list[list[dict] | Pending]:
+    """Top-down: crop each person box, heatmaps (with the flip test); per image its people, decoded to image
+    pixels where they are first needed (a Pending; [] for an image without boxes)."""
     if not any(boxes):
         return [[] for _ in images]
     with_people = [i for i, image_boxes in enumerate(boxes) if image_boxes]
@@ -187,8 +188,26 @@ def run_pose(ctx: Inference, images, boxes: list[list]) -> list[list[dict]]:
     flip_test = ctx.models["pose"].model.flip_test
     heatmaps = [ctx.forward("pose", chunk, flip_test) if ctx.flip else ctx.forward("pose", chunk).heatmaps
                 for chunk in inputs.pixel_values.split(ctx.batch_size)]  # people, not images: a photo may hold many
-    people = processing.postprocess_pose(torch.cat(heatmaps).float(), inputs)
-    return [[{k: v.cpu() for k, v in person.items()} for person in image_people] for image_people in people]
+    heatmaps = torch.cat(heatmaps)
+    return [Pending(partial(_pose_back, heatmaps[rows], one)) for rows, one in crops_by_image(inputs)]
+
+
+def crops_by_image(inputs: processing.ModelInputs) -> list[tuple[slice, processing.ModelInputs]]:
+    """Per image, its rows of a crop batch and their bookkeeping (every image has people here, in order)."""
+    split, start = [], 0
+    for image in range(inputs.num_images):
+        count = inputs.image_indices.count(image)
+        rows = slice(start, start + count)
+        split.append((rows, processing.ModelInputs(None, inputs.image_sizes[rows], inputs.content_boxes[rows],
+                                                   inputs.model_size, inputs.boxes[rows], [0] * count, 1)))
+        start += count
+    return split
+
+
+def _pose_back(heatmaps, crops) -> list[dict]:
+    # heatmap decoding (a Gaussian blur of 308 maps per person) is the costliest step of pose outside the model
+    people = processing.postprocess_pose(heatmaps.float(), crops)[0]
+    return [{k: v.cpu() for k, v in person.items()} for person in people]
 
 
 DENSE_RUNNERS = {"normal": run_normal, "pointmap": run_pointmap, "albedo": run_albedo, "matting": run_matting,
@@ -202,6 +221,13 @@ def run_detector(ctx: Inference, images) -> list[torch.Tensor | None]:
     detected = [boxes.cpu() for boxes in ctx.detector(images)]
     ctx.timings["detector"] = ctx.timings.get("detector", 0.0) + time.perf_counter() - start
     return detected
+
+
+def pose_result(people: list | Pending, source: str | None, scores: list | None) -> dict | Pending:
+    """An image's pose result, {"people", "box_source", "detector_scores"}: pending while its people are."""
+    if isinstance(people, Pending):
+        return Pending(lambda: pose_result(people.result(), source, scores))
+    return {"people": people, "box_source": source, "detector_scores": scores}
 
 
 @dataclass
@@ -256,6 +282,6 @@ def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor], p
         for result, people, source, score, found, said in zip(results, run_each(ctx, run_pose, images, list(boxes)),
                                                               sources, scores, detected, warnings):
             failed = found if isinstance(found, TaskFailed) else people if isinstance(people, TaskFailed) else None
-            result["pose"] = failed or {"people": people, "box_source": source, "detector_scores": score}
+            result["pose"] = failed or pose_result(people, source, score)
             result["warnings"] += said
     return results

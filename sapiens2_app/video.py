@@ -20,6 +20,7 @@ from PIL import Image
 
 from sapiens2_app import formats, tracking
 from sapiens2_app.artefacts import overlay_suffix
+from sapiens2_app.inference import resolved
 from sapiens2_app.inputs import InputImage, frame_name, frame_of
 from sapiens2_app.pipeline import Run, StopRun
 from sapiens2_app.boxes import frame_keys_past_the_end
@@ -351,8 +352,10 @@ class VideoRun:
         """The frame's files (people tracked first: ids, and smoothing, go into pose.json), then its pictures into
         the overlay videos, in frame order (the source frame where a task failed, so they keep one frame per
         processed frame)."""
-        if self.tracker is not None and isinstance(result.get("pose"), dict):  # not a failed pose
-            self.tracker.update(self.index[item], result["pose"]["people"])
+        if self.tracker is not None and "pose" in result:  # tracked now, in frame order: decoded now
+            result["pose"] = resolved(result["pose"])
+            if isinstance(result["pose"], dict):  # not a failed pose
+                self.tracker.update(self.index[item], result["pose"]["people"])
 
         def into_overlays(written: dict, complete: bool):
             if written or complete:

@@ -230,6 +230,45 @@ def test_decode_finds_subpixel_gaussian_centre(sigma, height, width):
     assert scores.min() > 0.9
 
 
+def _decode_blurring_whole_maps(heatmaps: torch.Tensor):
+    """decode_heatmaps as the original states it: every map blurred whole, rescaled, clamped, logged."""
+    num_people, num_keypoints, height, width = heatmaps.shape
+    flat = heatmaps.reshape(num_people, num_keypoints, -1)
+    scores, index = flat.amax(-1), flat.argmax(-1)
+    locations = torch.stack([index % width, index // width], dim=-1)
+    log_maps = P._blurred_log_heatmaps(heatmaps, P.DARK_BLUR_KERNEL).flatten(2)
+    neighbours = P._peak_neighbourhoods(locations, height, width).flatten(2)
+    offset = P._newton_offset(log_maps.gather(2, neighbours).view(num_people, num_keypoints, 3, 3))
+    return torch.where((scores > 0)[..., None], locations.float() - offset, torch.tensor(-1.0)), scores
+
+
+def test_decode_blurs_nine_pixels_where_that_gives_the_same_step():
+    """Peaked maps (as a trained model's) take the nine-pixel step; maps where the rescale-and-clamp may act (a peak
+    above 50, blurred values under 1e-3, nothing positive) are blurred whole. Both as the whole-map definition.
+    Tolerance 1e-4 px: the two differ by fp32 rounding only (log(r b) vs log b, summation order of the blur), a
+    few 1e-7 in the log-values, divided by Hessians >= 0.02 here; the subtraction from pixel coordinates < 256
+    rounds to 1.5e-5 by itself."""
+    generator = torch.Generator().manual_seed(3)
+    centers = torch.rand(2, 308, 2, generator=generator, dtype=torch.float64) * torch.tensor([47.0, 63.0])
+    heights = 0.05 + torch.rand(2, 308, 1, 1, generator=generator)
+    heatmaps = gaussian_heatmaps(centers, 64, 48, 2.5) * heights
+    heatmaps += 0.02 * torch.rand(heatmaps.shape, generator=generator) - 0.01  # background noise, some negative
+    heatmaps[0, :10] *= 60 / heatmaps[0, :10].amax(dim=(-2, -1), keepdim=True)  # peaks of 60: the clamp at 50 acts
+    heatmaps[0, 10:20] *= 1e-3  # blurred values below 1e-3: the clamp at 1e-3 acts
+    heatmaps[0, 20:25] = -heatmaps[0, 20:25].abs()  # nothing positive: no location
+    flat = heatmaps.flatten(2)
+    locations = torch.stack([flat.argmax(-1) % 48, flat.argmax(-1) // 48], dim=-1)
+    nine = P._blurred_at(heatmaps, P._peak_neighbourhoods(locations, 64, 48), P.DARK_BLUR_KERNEL,
+                         P._dark_sigma(P.DARK_BLUR_KERNEL))
+    whole = P._needs_whole_map(nine, flat.amax(-1))
+    assert whole[0, :25].all() and whole[1].float().mean() < 0.05  # both ways are exercised
+    keypoints, scores = P.decode_heatmaps(heatmaps)
+    expected, expected_scores = _decode_blurring_whole_maps(heatmaps)
+    assert torch.equal(scores, expected_scores)
+    assert torch.equal(keypoints[0, 20:25], torch.full((5, 2), -1.0))
+    assert_close(keypoints, expected, 1e-4, "keypoints")
+
+
 def test_pose_round_trip_through_heatmap_targets():
     # image keypoints -> UDP training heatmaps -> decode -> image keypoints: the two mappings must be inverses
     boxes = [[[30.0, 40.0, 120.0, 200.0]], [[5.5, 10.25, 90.0, 60.0]]]
