@@ -7,13 +7,15 @@ pipelined one, side by side in one run.
     python bench/pipeline.py --device cuda --real 0.4b --tasks seg            # on a GPU: real-size models too
 
 Each row runs predict.main on synthetic photos (smooth random JPEGs) with the models replaced:
-  free       the model costs nothing: each forward returns a cached output of the right shape (1024x768 input);
+  free       the model costs nothing: each forward returns a cached output of the right shape (1024x768 input;
+             pose: peaked maps, as a trained model's, not a random head's noise);
              images/s, and CPU ms per image per stage (thread CPU time, summed over the threads that ran it)
   stand-in   the models hold each batch for T ms per image in all (each model its share) without using the CPU
              (time.sleep), as a GPU would, with T = the time per image of the serial runner's free row (the CPU
              work of an image when nothing overlaps; the balanced case, where a serial loop gets 1/2 of the
-             ideal); images/s against the ideal 1 / max(T, that CPU work) = 1 / T. (Not the process CPU time: torch's own threads make it larger than
-             the wall time on a multi-core CPU, which would lower the ideal and flatter every row.)
+             ideal); images/s against the ideal 1 / max(T, that CPU work) = 1 / T. (Not the process CPU time:
+             torch's own threads make it larger than the wall time on a multi-core CPU, which would lower
+             the ideal and flatter every row.)
   real       (--real SIZE) predict.py with real-size models (random weights: speed does not depend on them) against
              the model alone on the same batches (forward only, as bench/e2e.py times it): images/s of each, the
              ratio, and where the time goes (wall ms per image per stage)
@@ -72,6 +74,8 @@ class CachedModel(torch.nn.Module):
         self.task, self.head_config, self.backbone = real.task, real.head_config, real.backbone
         with torch.no_grad():
             self.cached = real(torch.zeros(1, 3, *MODEL_SIZE))
+        if self.task == "pose":  # a trained model's maps: one peak each (a random head's noise decodes slower)
+            self.cached.heatmaps = peaked_heatmaps(self.cached.heatmaps.shape)
 
     def forward(self, pixel_values: torch.Tensor):
         time.sleep(self.hold_ms * len(pixel_values) / 1000)
@@ -84,6 +88,20 @@ class CachedModel(torch.nn.Module):
 
     def flip_pairs(self, device=None):
         return self.real.flip_pairs(device)
+
+
+def peaked_heatmaps(shape) -> torch.Tensor:
+    """Heatmaps as a trained pose model's: per keypoint a Gaussian of the training sigma (processing.HEATMAP_SIGMA
+    at 256x192) at a random place, its height 0.3 to 1, over faint noise."""
+    generator = torch.Generator().manual_seed(0)
+    people, keypoints, height, width = shape
+    sigma = processing.HEATMAP_SIGMA * width / 192
+    extent = torch.tensor([width - 1, height - 1]).view(2, 1, 1)
+    centres = torch.rand(people, keypoints, 2, 1, 1, generator=generator) * extent
+    y, x = torch.arange(height).view(-1, 1), torch.arange(width).view(1, -1)
+    peaks = torch.exp(-((x - centres[:, :, 0]) ** 2 + (y - centres[:, :, 1]) ** 2) / (2 * sigma**2))
+    heights = 0.3 + 0.7 * torch.rand(people, keypoints, 1, 1, generator=generator)
+    return peaks * heights + 0.01 * torch.rand(shape, generator=generator)
 
 
 def real_models(tasks: list[str]) -> dict[str, heads.Sapiens2ForTask]:
