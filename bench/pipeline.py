@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
+import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -44,7 +47,8 @@ import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+CODE_OF = "SAPIENS2_BENCH_CODE"  # a --baseline row's process: the checkout whose predict.py it runs
+sys.path.insert(0, os.environ.get(CODE_OF, str(ROOT)))
 
 import heads  # noqa: E402
 import predict  # noqa: E402
@@ -72,6 +76,7 @@ class CachedModel(torch.nn.Module):
         super().__init__()
         self.real, self.hold_ms = real, hold_ms
         self.task, self.head_config, self.backbone = real.task, real.head_config, real.backbone
+        self.config = real.backbone.config  # where older checkouts look when the model is not a Sapiens2ForTask
         with torch.no_grad():
             self.cached = real(torch.zeros(1, 3, *MODEL_SIZE))
         if self.task == "pose":  # a trained model's maps: one peak each (a random head's noise decodes slower)
@@ -195,15 +200,18 @@ def write_photos(folder: Path, photo: str, count: int) -> list[Path]:
     return paths
 
 
-def run_row(tasks: str, photos: Path, out: Path, workers: int, built: dict | None, hold_ms: float, batch: int,
+def run_row(tasks: str, photos: Path, out: Path, workers: int | None, built: dict | None, hold_ms: float, batch: int,
             device: str, extra: tuple = ()) -> dict:
-    """predict.py on the photos with the stand-in models (`built`; None: the models `extra` names)."""
+    """predict.py on the photos with the stand-in models (`built`; None: the models `extra` names). workers None:
+    an older checkout's predict.py (--baseline), which may have no --workers, nor the functions the stages time."""
     clock = StageClock()
-    argv = [tasks, str(photos), "-o", str(out), "--batch-size", str(batch), "--workers", str(workers),
+    argv = [tasks, str(photos), "-o", str(out), "--batch-size", str(batch),
+            *(("--workers", str(workers)) if workers is not None else ()),
             "--device", device, "--no-flip", "--detector", "none", *extra]
     models_in_use = stand_in_models(built, hold_ms) if built is not None else contextlib.nullcontext()
+    stages = clocked(clock) if workers is not None else contextlib.nullcontext()
     cpu_start, wall_start = time.process_time(), time.perf_counter()
-    with models_in_use, clocked(clock), contextlib.redirect_stderr(open(os.devnull, "w")):
+    with models_in_use, stages, contextlib.redirect_stderr(open(os.devnull, "w")):
         status = predict.main(argv)
     wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     if status != 0:
@@ -216,15 +224,41 @@ def run_row(tasks: str, photos: Path, out: Path, workers: int, built: dict | Non
             "stage_wall_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.wall.items())}}
 
 
-def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, device: str) -> list[dict]:
+def checkout(revision: str, folder: Path) -> Path:
+    """The files of a git revision of this repository, in `folder` (the code a --baseline row runs)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", revision], capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline {revision}: git archive failed: {archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+def baseline_row(code: Path, tasks: str, photos: Path, out: Path, batch: int, device: str) -> dict:
+    """The free row of an older checkout's predict.py (`code`), in a process of its own: its modules, not ours."""
+    result = out.with_suffix(".json")
+    command = [sys.executable, __file__, "--baseline-row", str(photos), "--tasks", tasks, "--batch-size", str(batch),
+               "--device", device, "--out", str(result), "--scratch", str(out)]
+    done = subprocess.run(command, env={**os.environ, CODE_OF: str(code)}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the baseline row ({' '.join(command)}) failed:\n{done.stderr[-2000:]}")
+    return json.loads(result.read_text())
+
+
+def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, device: str,
+          baseline: str | None = None) -> list[dict]:
+    """Per photo size and task set, the free and stand-in rows of each runner; with `baseline` (a git revision),
+    also the free row of that revision's predict.py, run on the same photos in the same run."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="sapiens2-pipeline-") as tmp:
         tmp = Path(tmp)
+        code = checkout(baseline, tmp / "baseline-code") if baseline else None
         for photo in photos:
             folder = tmp / f"photos-{photo}"
             write_photos(folder, photo, images)
             for tasks in tasks_sets:
                 built = real_models(tasks.split(","))
+                then = baseline_row(code, tasks, folder, tmp / f"out-baseline-{len(rows)}", batch, device) if code else None
                 free = {w: run_row(tasks, folder, tmp / f"out-free-{w}", w, built, 0.0, batch, device) for w in workers}
                 serial = free[min(workers)]
                 hold = round(1000 / serial["images_per_s"], 1)  # the balanced case: the model as slow as the CPU work
@@ -236,6 +270,9 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
                                                                "ideal_images_per_s": round(ideal, 3),
                                                                "of_ideal": round(held[w]["images_per_s"] / ideal, 3)},
                                  "speedup_free_vs_serial": round(free[w]["images_per_s"] / serial["images_per_s"], 3)})
+                    if then is not None:
+                        rows[-1].update(baseline={"revision": baseline, "free": then},
+                                        speedup_free_vs_baseline=round(free[w]["images_per_s"] / then["images_per_s"], 3))
                     print(table_row(rows[-1]), flush=True)
     return rows
 
@@ -292,15 +329,15 @@ def model_alone(task: str, preset: str, device: str, batch: int, size: str | Non
     return round(batch / sorted(times)[len(times) // 2], 3)
 
 
-HEADER = ("| tasks | photo | workers | free img/s | vs serial | CPU ms/img | decode | pre | post | render | encode | write "
-          "| T ms/img | stand-in img/s | of ideal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| tasks | photo | workers | free img/s | vs serial | vs baseline | CPU ms/img | decode | pre | post | render "
+          "| encode | write | T ms/img | stand-in img/s | of ideal |\n" + "|---" * 16 + "|")
 
 
 def table_row(row: dict) -> str:
     stages = row["free"]["stage_cpu_ms_per_image"]
     cells = [row["tasks"], row["photo"], row["workers"], row["free"]["images_per_s"], row["speedup_free_vs_serial"],
-             row["free"]["cpu_ms_per_image"], *(stages.get(s, 0) for s in ("decode", "preprocess", "postprocess",
-                                                                          "render", "encode", "write")),
+             row.get("speedup_free_vs_baseline", "-"), row["free"]["cpu_ms_per_image"],
+             *(stages.get(s, 0) for s in ("decode", "preprocess", "postprocess", "render", "encode", "write")),
              row["stand_in"]["hold_ms_per_image"], row["stand_in"]["images_per_s"], row["stand_in"]["of_ideal"]]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -318,9 +355,18 @@ def main(argv=None) -> int:
     parser.add_argument("--size", help="with --real: the model input HxW (default the model's, 1024x768)")
     parser.add_argument("--only-real", action="store_true", help="with --real: skip the free and stand-in rows "
                         "(bench/gpu_session.sh: the GPU machine's time is for the real rows)")
+    parser.add_argument("--baseline", metavar="REVISION", help="also the free rows of this git revision's "
+                        "predict.py (e.g. the runner before the pipelined one), in the same run")
+    parser.add_argument("--baseline-row", type=Path, help=argparse.SUPPRESS)  # the photos: one baseline row, alone
+    parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)  # with --baseline-row: its output folder
     parser.add_argument("--out", type=Path)
     parser.add_argument("--report", type=Path, help="print the table of a results file and exit")
     args = parser.parse_args(argv)
+    if args.baseline_row:  # in the baseline's checkout (CODE_OF): its predict.py, no stage timing, no --workers
+        row = run_row(args.tasks[0], args.baseline_row, args.scratch, None, real_models(args.tasks[0].split(",")),
+                      0.0, args.batch_size, args.device)
+        args.out.write_text(json.dumps(row))
+        return 0
     if args.report:
         print(HEADER)
         for row in json.loads(args.report.read_text())["rows"]:
@@ -335,7 +381,8 @@ def main(argv=None) -> int:
     if args.only_real and not args.real:
         parser.error("--only-real needs --real SIZE")
     if not args.only_real:
-        result["rows"] = bench(args.tasks, args.photos, args.images, workers, args.batch_size, args.device)
+        result["rows"] = bench(args.tasks, args.photos, args.images, workers, args.batch_size, args.device,
+                               args.baseline)
         safe_io.atomic_write(out, safe_io.json_text(result, indent=2))  # saved before the slower real rows
 
     def save_real(rows):
