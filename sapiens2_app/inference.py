@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 import processing
-from sapiens2_app.boxes import pose_boxes
+from sapiens2_app.boxes import boxes_for, pose_boxes
 from sapiens2_app.inputs import InputImage
 from sapiens2_app.models import LoadedModel
 
@@ -50,8 +50,9 @@ class Inference:
         return processing.preprocess(images, self.input_size(task), pad=PADDED[task], resample=self.resample,
                                      device=self.device)
 
-    def prepare_ahead(self, image: torch.Tensor) -> dict:
-        """One image's input to each whole-image model (or why it cannot be made), before its batch runs."""
+    def prepare_ahead(self, image: torch.Tensor, item: InputImage | None = None) -> dict:
+        """One image's input to each whole-image model (or why it cannot be made), before its batch runs; and its
+        pose crops (PoseAhead) when its boxes need no model (`item`: its --boxes entry, else the whole image)."""
         prepared = {}
         for task in PADDED:
             if task in self.models:
@@ -59,7 +60,25 @@ class Inference:
                     prepared[task] = self.prepare(task, [image])
                 except Exception as error:  # noqa: BLE001 (the task fails on this image only, when it runs)
                     prepared[task] = error
+        if item is not None and self.boxes_known_ahead(item):
+            try:
+                prepared["pose"] = self.pose_ahead(item, image)
+            except Exception:  # noqa: BLE001 (made again when its batch runs, where a failure is reported)
+                pass
         return prepared
+
+    def boxes_known_ahead(self, item: InputImage) -> bool:
+        """Are the item's pose boxes known without a model: a --boxes entry, or the whole image (no detector, no
+        segmentation blobs)?"""
+        if "pose" not in self.tasks or self.detector is not None:
+            return False
+        return not self.seg_boxes or (self.boxes is not None and boxes_for(item, self.boxes) is not None)
+
+    def pose_ahead(self, item: InputImage, image: torch.Tensor) -> "PoseAhead":
+        boxes, source, scores, warnings = pose_boxes(item, image, self.boxes, None)
+        crops = processing.preprocess_crops([image], [boxes], self.input_size("pose"), resample=self.resample,
+                                            device=self.device) if boxes else None
+        return PoseAhead(boxes, source, scores, warnings, crops)
 
     def inputs(self, task: str, images, prepared: list | None) -> processing.ModelInputs:
         """A batch's input to the task's model: the images' inputs made ahead, else made now."""
@@ -81,6 +100,25 @@ class Inference:
             torch.cuda.synchronize(self.device)
         self.timings[task] = self.timings.get(task, 0.0) + time.perf_counter() - start
         return output
+
+
+@dataclass
+class PoseAhead:
+    """One image's pose boxes (as pose_boxes gives them) and their crops (None: no boxes), made before its batch."""
+    boxes: list
+    source: str | None
+    scores: list | None
+    warnings: list[str]
+    crops: processing.ModelInputs | None
+
+
+def merged_crops(crops: list[processing.ModelInputs]) -> processing.ModelInputs:
+    """Images' crops made one image at a time (PoseAhead) as one batch, as preprocess_crops makes it."""
+    indices = [image for image, one in enumerate(crops) for _ in one.image_indices]
+    return processing.ModelInputs(torch.cat([one.pixel_values for one in crops]),
+                                  [size for one in crops for size in one.image_sizes],
+                                  [box for one in crops for box in one.content_boxes], crops[0].model_size,
+                                  torch.cat([one.boxes for one in crops]), indices, len(crops))
 
 
 class Pending:
@@ -173,18 +211,20 @@ def run_features(ctx: Inference, images, prepared=None) -> list[dict]:
     return [{"cls": out.cls[i].cpu(), "features": out.features[i].cpu()} for i in range(len(images))]
 
 
-def run_pose(ctx: Inference, images, boxes: list[list]) -> list[list[dict] | Pending]:
+def run_pose(ctx: Inference, images, boxes: list[list], crops: list | None = None) -> list[list[dict] | Pending]:
     """Top-down: crop each person box, heatmaps (with the flip test); per image its people, decoded to image
-    pixels where they are first needed (a Pending; [] for an image without boxes)."""
+    pixels where they are first needed (a Pending; [] for an image without boxes). `crops`: per image, its crops
+    made ahead (PoseAhead.crops), else made here."""
     if not any(boxes):
         return [[] for _ in images]
     with_people = [i for i, image_boxes in enumerate(boxes) if image_boxes]
     if len(with_people) < len(images):  # preprocess_crops wants boxes for every image it is given
-        people = run_pose(ctx, [images[i] for i in with_people], [boxes[i] for i in with_people])
+        people = run_pose(ctx, [images[i] for i in with_people], [boxes[i] for i in with_people],
+                          crops and [crops[i] for i in with_people])
         found = dict(zip(with_people, people))
         return [found.get(i, []) for i in range(len(images))]
-    inputs = processing.preprocess_crops(images, boxes, ctx.input_size("pose"), resample=ctx.resample,
-                                         device=ctx.device)
+    inputs = merged_crops(crops) if crops else processing.preprocess_crops(
+        images, boxes, ctx.input_size("pose"), resample=ctx.resample, device=ctx.device)
     flip_test = ctx.models["pose"].model.flip_test
     heatmaps = [ctx.forward("pose", chunk, flip_test) if ctx.flip else ctx.forward("pose", chunk).heatmaps
                 for chunk in inputs.pixel_values.split(ctx.batch_size)]  # people, not images: a photo may hold many
@@ -273,14 +313,21 @@ def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor], p
             for result, value in zip(results, run_each(ctx, runner, images, ahead(task))):
                 result[task] = value
     if "pose" in ctx.tasks:
-        detected = run_each(ctx, run_detector, images)  # a detector failure fails the image's pose only
-        segs = segmentations if ctx.seg_boxes else [None] * len(images)
-        boxes, sources, scores, warnings = zip(*(
-            ([], None, None, []) if isinstance(found, TaskFailed) else
-            pose_boxes(item, image, ctx.boxes, None if isinstance(seg, TaskFailed) else seg, found)
-            for item, image, seg, found in zip(items, images, segs, detected)))
-        for result, people, source, score, found, said in zip(results, run_each(ctx, run_pose, images, list(boxes)),
-                                                              sources, scores, detected, warnings):
+        made = ahead("pose")
+        if all(isinstance(one, PoseAhead) for one in made):  # boxes and crops made in the decode thread
+            detected = [None] * len(images)
+            boxes, sources, scores, warnings = zip(*((one.boxes, one.source, one.scores, one.warnings)
+                                                     for one in made))
+            people = run_each(ctx, run_pose, images, list(boxes), [one.crops for one in made])
+        else:
+            detected = run_each(ctx, run_detector, images)  # a detector failure fails the image's pose only
+            segs = segmentations if ctx.seg_boxes else [None] * len(images)
+            boxes, sources, scores, warnings = zip(*(
+                ([], None, None, []) if isinstance(found, TaskFailed) else
+                pose_boxes(item, image, ctx.boxes, None if isinstance(seg, TaskFailed) else seg, found)
+                for item, image, seg, found in zip(items, images, segs, detected)))
+            people = run_each(ctx, run_pose, images, list(boxes))
+        for result, people, source, score, found, said in zip(results, people, sources, scores, detected, warnings):
             failed = found if isinstance(found, TaskFailed) else people if isinstance(people, TaskFailed) else None
             result["pose"] = failed or pose_result(people, source, score)
             result["warnings"] += said

@@ -130,7 +130,7 @@ class Run:
             try:
                 image = processing.load_image(item.path)
                 image = image.pin_memory() if pinned else image
-                decoded.append((item, image, self.inference.prepare_ahead(image) if self.workers else {}))
+                decoded.append((item, image, self.inference.prepare_ahead(image, item) if self.workers else {}))
             except Exception as error:  # noqa: BLE001 (reported in order by readable)
                 decoded.append((item, error, {}))
         return decoded

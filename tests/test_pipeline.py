@@ -18,7 +18,7 @@ from safetensors import safe_open
 import predict
 import processing
 from sapiens2_app import outputs as outputs_module
-from sapiens2_app import pipeline, safe_io
+from sapiens2_app import inference, pipeline, safe_io
 from test_predict import checkpoints, model_args, write_images  # noqa: F401, F811 (a fixture)
 
 TASKS = "seg,normal,pose,features"
@@ -76,6 +76,31 @@ def test_pipelined_files_are_the_serial_files(checkpoints, photos, tmp_path):
     serial, pipelined = contents(tmp_path / "serial"), contents(tmp_path / "pipelined")
     assert serial.keys() == pipelined.keys() and len(serial) > 5 * len(SIZES)
     assert [name for name in serial if serial[name] != pipelined[name]] == []
+
+
+@pytest.mark.parametrize("boxes", ["whole image", "--boxes"])
+def test_pose_crops_made_ahead_give_the_serial_files(checkpoints, photos, tmp_path, monkeypatch, boxes):
+    """Pose boxes that need no model (the whole image: --detector none; a --boxes entry) are cropped in the decode
+    thread (Inference.pose_ahead): the same files as the serial runner, which crops in its batch."""
+    extra = ["--detector", "none"]
+    if boxes == "--boxes":  # two people in im0, none in im1, the whole image for the others (no entry: seg blobs)
+        entries = {"im0.jpg": [[1, 1, 8, 10], [9, 4, 6, 12]], "im1.png": [], "sub/im2.jpg": [[0, 0, 30, 40]]}
+        (tmp_path / "boxes.json").write_text(json.dumps(entries))
+        extra = ["--boxes", str(tmp_path / "boxes.json")]
+    made_ahead, real = [], inference.Inference.pose_ahead
+    monkeypatch.setattr(inference.Inference, "pose_ahead",
+                        lambda self, item, image: made_ahead.append(item.relative) or real(self, item, image))
+    for workers in (0, 3):
+        with no_hang():
+            assert predict.main(["seg,pose", str(photos), "-o", str(tmp_path / f"w{workers}"), "--workers",
+                                 str(workers), "--batch-size", "2", "--save", "raw,json,vis,openpose,coco", *extra,
+                                 *model_args(checkpoints, ["seg", "pose"])]) == 0
+    expected = sorted(SIZES) if boxes == "whole image" else ["im0.jpg", "im1.png", "sub/im2.jpg"]
+    assert sorted(made_ahead) == expected  # by the pipelined run only, and only where no model decides
+    serial, pipelined = contents(tmp_path / "w0"), contents(tmp_path / "w3")
+    assert serial.keys() == pipelined.keys() and [name for name in serial if serial[name] != pipelined[name]] == []
+    people = json.loads((tmp_path / "w3" / "im0.pose.json").read_text())["people"]
+    assert len(people) == (1 if boxes == "whole image" else 2)
 
 
 def recording_writes(monkeypatch, delay: float = 0.0) -> list[str]:
@@ -158,6 +183,36 @@ def test_a_file_that_cannot_be_made_fails_its_task_only(checkpoints, photos, tmp
         assert manifest["errors"] == [{"image": str(photos / "sub/im2.jpg"), "task": "normal",
                                        "error": "RuntimeError: simulated render failure"}]
         assert manifest["counts"]["written"] == len(SIZES) - 1 and not list(out.glob("sub/im2.normal.*"))
+
+
+def test_a_failing_post_processing_fails_its_task_only(checkpoints, photos, tmp_path, monkeypatch):
+    """Post-processing runs late (a Pending, in the workers that make the files): when decoding im2's pose or
+    resizing im4's normals back raises there, that task of that image fails, everything else is written, as with
+    one thread."""
+    real_pose, real_normals = processing.postprocess_pose, processing.postprocess_normals
+
+    def failing_on(size, real, what):
+        def postprocess(maps, inputs, *args, **kwargs):
+            if tuple(inputs.image_sizes[0]) == size:
+                raise RuntimeError(f"simulated {what} failure")
+            return real(maps, inputs, *args, **kwargs)
+        return postprocess
+
+    im2, im4 = SIZES["sub/im2.jpg"], SIZES["im4.jpg"]  # (height, width), one of each size
+    monkeypatch.setattr(processing, "postprocess_pose", failing_on(im2, real_pose, "pose decoding"))
+    monkeypatch.setattr(processing, "postprocess_normals", failing_on(im4, real_normals, "normal resizing"))
+    for workers in (0, 3):
+        out = tmp_path / f"w{workers}"
+        assert run(photos, out, workers, checkpoints) == 1
+        manifest = json.loads((out / "run.json").read_text())
+        assert manifest["errors"] == [  # in the order of the inputs
+            {"image": str(photos / "im4.jpg"), "task": "normal",
+             "error": "RuntimeError: simulated normal resizing failure"},
+            {"image": str(photos / "sub/im2.jpg"), "task": "pose",
+             "error": "RuntimeError: simulated pose decoding failure"}]
+        assert manifest["counts"]["written"] == len(SIZES) - 2
+        assert not list(out.glob("sub/im2.pose*")) and (out / "sub/im2.seg.png").exists()
+        assert not list(out.glob("im4.normal.*")) and (out / "im4.pose.json").exists()
 
 
 def test_an_unexpected_error_in_the_writer_ends_the_run_without_a_hang(checkpoints, photos, tmp_path,
