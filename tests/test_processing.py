@@ -181,6 +181,19 @@ def test_postprocess_normals_matches_hf():
     assert_close(renormalised[0].norm(dim=0), torch.ones_like(hf_lengths), 1e-5, "unit length")
 
 
+def test_unit_length_is_f_normalize():
+    """processing.unit_length against F.normalize (vector_norm): the same formula, another rounding of the norm.
+    Bound: 2 ulp of a unit vector's components (2 * 2^-23 at 1.0): one rounding in the norm, one in the division;
+    vectors shorter than eps are divided by eps in both."""
+    generator = torch.Generator().manual_seed(0)
+    vectors = torch.randn(2, 3, 61, 47, generator=generator) * torch.logspace(-3, 3, 47)
+    vectors[0, :, 0, :5] = 1e-10  # under eps
+    for dim, maps in ((1, vectors), (0, vectors[1])):
+        ours, theirs = P.unit_length(maps, dim), torch.nn.functional.normalize(maps, p=2, dim=dim, eps=1e-8)
+        assert_close(ours, theirs, 2 * 2.0**-23, f"dim {dim}")
+    assert torch.equal(P.unit_length(vectors, 1)[0, :, 0, :5], vectors[0, :, 0, :5] / 1e-8)
+
+
 def test_postprocess_pointmap_matches_hf():
     tensors, meta = load_fixture("postprocess_dense")
     inputs = P.ModelInputs.layout(meta["source_sizes"], tuple(meta["model_size"]), pad=True)
