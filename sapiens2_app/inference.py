@@ -228,7 +228,7 @@ def run_pose(ctx: Inference, images, boxes: list[list], crops: list | None = Non
     flip_test = ctx.models["pose"].model.flip_test
     heatmaps = [ctx.forward("pose", chunk, flip_test) if ctx.flip else ctx.forward("pose", chunk).heatmaps
                 for chunk in inputs.pixel_values.split(ctx.batch_size)]  # people, not images: a photo may hold many
-    heatmaps = torch.cat(heatmaps)
+    heatmaps = heatmaps[0] if len(heatmaps) == 1 else torch.cat(heatmaps)  # cat copies (60 MB a person)
     return [Pending(partial(_pose_back, heatmaps[rows], one)) for rows, one in crops_by_image(inputs)]
 
 
