@@ -234,6 +234,12 @@ def checkout(revision: str, folder: Path) -> Path:
     return folder
 
 
+def revision_id(revision: str) -> str:
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", revision + "^{commit}"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else revision
+
+
 def baseline_row(code: Path, tasks: str, photos: Path, out: Path, batch: int, device: str) -> dict:
     """The free row of an older checkout's predict.py (`code`), in a process of its own: its modules, not ours."""
     result = out.with_suffix(".json")
@@ -253,6 +259,7 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
     with tempfile.TemporaryDirectory(prefix="sapiens2-pipeline-") as tmp:
         tmp = Path(tmp)
         code = checkout(baseline, tmp / "baseline-code") if baseline else None
+        baseline = revision_id(baseline) if baseline else None  # recorded as the commit, not as given (HEAD~3)
         for photo in photos:
             folder = tmp / f"photos-{photo}"
             write_photos(folder, photo, images)

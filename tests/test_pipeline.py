@@ -263,7 +263,7 @@ def test_outputs_decode_to_the_same_pixels_as_before(tmp_path):
 
 def test_bench_pipeline_runs_its_rows(tmp_path):
     """bench/pipeline.py end to end on a tiny case: one row per runner, the stand-in's ideal from the serial row's
-    CPU time, the stage times, and the JSON."""
+    CPU time, the stage times, the baseline checkout's row beside them, and the JSON."""
     import importlib.util
 
     from conftest import ROOT
@@ -274,7 +274,7 @@ def test_bench_pipeline_runs_its_rows(tmp_path):
     out = tmp_path / "pipeline.json"
     with no_hang(300):
         assert bench.main(["--tasks", "seg", "--photos", "48x64", "--images", "3", "--workers", "0,2",
-                           "--out", str(out)]) == 0
+                           "--baseline", "HEAD", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["tasks"], r["photo"], r["workers"]) for r in rows] == [("seg", "48x64", 0), ("seg", "48x64", 2)]
@@ -285,4 +285,8 @@ def test_bench_pipeline_runs_its_rows(tmp_path):
         held = row["stand_in"]  # T: the serial free row's time per image (0.05 ms: its rounding)
         assert held["hold_ms_per_image"] == pytest.approx(1000 / rows[0]["free"]["images_per_s"], abs=0.05)
         assert held["ideal_images_per_s"] == pytest.approx(1000 / held["hold_ms_per_image"], abs=1e-3)
+        then = row["baseline"]  # HEAD's predict.py, in a process of its own, on the same photos
+        assert len(then["revision"]) == 40 and then["free"]["images"] == 3
+        assert row["speedup_free_vs_baseline"] == pytest.approx(
+            row["free"]["images_per_s"] / then["free"]["images_per_s"], rel=2e-3)  # both rounded to 3 digits
     assert result["device"] == "cpu" and "torch" in result["versions"]
