@@ -2,8 +2,9 @@
 TaskFailed of a task that failed on it). Each task runs on its own; a batch that fails is retried image by image.
 
 Two steps around the model may happen in other threads, so that the model runs batch after batch: each image's model
-inputs can be made ahead (prepare_ahead, in the decode thread), and a dense task's result is a Pending whose
-post-processing (back to the photo's size) runs where it is first needed, in the threads that make the files.
+inputs can be made ahead (prepare_ahead, in the decode thread; pose's crops too when its boxes need no model), and a
+dense or pose result is a Pending whose post-processing (back to the photo's size; heatmap decoding) runs where it is
+first needed, in the threads that make the files.
 """
 
 from __future__ import annotations
