@@ -259,13 +259,14 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
     with tempfile.TemporaryDirectory(prefix="sapiens2-pipeline-") as tmp:
         tmp = Path(tmp)
         code = checkout(baseline, tmp / "baseline-code") if baseline else None
-        baseline = revision_id(baseline) if baseline else None  # recorded as the commit, not as given (HEAD~3)
+        revision = revision_id(baseline) if baseline else None  # recorded as the commit, not as given (HEAD~3)
         for photo in photos:
             folder = tmp / f"photos-{photo}"
             write_photos(folder, photo, images)
             for tasks in tasks_sets:
                 built = real_models(tasks.split(","))
-                then = baseline_row(code, tasks, folder, tmp / f"out-baseline-{len(rows)}", batch, device) if code else None
+                then = (baseline_row(code, tasks, folder, tmp / f"out-baseline-{len(rows)}", batch, device)
+                        if code else None)
                 free = {w: run_row(tasks, folder, tmp / f"out-free-{w}", w, built, 0.0, batch, device) for w in workers}
                 serial = free[min(workers)]
                 hold = round(1000 / serial["images_per_s"], 1)  # the balanced case: the model as slow as the CPU work
@@ -278,8 +279,9 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
                                                                "of_ideal": round(held[w]["images_per_s"] / ideal, 3)},
                                  "speedup_free_vs_serial": round(free[w]["images_per_s"] / serial["images_per_s"], 3)})
                     if then is not None:
-                        rows[-1].update(baseline={"revision": baseline, "free": then},
-                                        speedup_free_vs_baseline=round(free[w]["images_per_s"] / then["images_per_s"], 3))
+                        speedup = free[w]["images_per_s"] / then["images_per_s"]
+                        rows[-1].update(baseline={"revision": revision, "free": then},
+                                        speedup_free_vs_baseline=round(speedup, 3))
                     print(table_row(rows[-1]), flush=True)
     return rows
 

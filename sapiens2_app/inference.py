@@ -246,7 +246,6 @@ def crops_by_image(inputs: processing.ModelInputs) -> list[tuple[slice, processi
 
 
 def _pose_back(heatmaps, crops) -> list[dict]:
-    # heatmap decoding (a Gaussian blur of 308 maps per person) is the costliest step of pose outside the model
     people = processing.postprocess_pose(heatmaps.float(), crops)[0]
     return [{k: v.cpu() for k, v in person.items()} for person in people]
 
@@ -319,7 +318,7 @@ def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor], p
             detected = [None] * len(images)
             boxes, sources, scores, warnings = zip(*((one.boxes, one.source, one.scores, one.warnings)
                                                      for one in made))
-            people = run_each(ctx, run_pose, images, list(boxes), [one.crops for one in made])
+            everyone = run_each(ctx, run_pose, images, list(boxes), [one.crops for one in made])
         else:
             detected = run_each(ctx, run_detector, images)  # a detector failure fails the image's pose only
             segs = segmentations if ctx.seg_boxes else [None] * len(images)
@@ -327,8 +326,8 @@ def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor], p
                 ([], None, None, []) if isinstance(found, TaskFailed) else
                 pose_boxes(item, image, ctx.boxes, None if isinstance(seg, TaskFailed) else seg, found)
                 for item, image, seg, found in zip(items, images, segs, detected)))
-            people = run_each(ctx, run_pose, images, list(boxes))
-        for result, people, source, score, found, said in zip(results, people, sources, scores, detected, warnings):
+            everyone = run_each(ctx, run_pose, images, list(boxes))
+        for result, people, source, score, found, said in zip(results, everyone, sources, scores, detected, warnings):
             failed = found if isinstance(found, TaskFailed) else people if isinstance(people, TaskFailed) else None
             result["pose"] = failed or pose_result(people, source, score)
             result["warnings"] += said

@@ -88,8 +88,6 @@ class Outputs:
                 if isinstance(error, OSError) and error.errno in REPEATING_WRITE_ERRORS:
                     raise
                 failures.append((task, error))
-        if "pose" in result:
-            result["pose"] = resolved(result["pose"])  # make() has (or left it a TaskFailed)
         pose_ok = isinstance(result.get("pose"), dict) and not any(task == "pose" for task, _ in failures)
         if self.coco is not None and pose_ok:
             self.coco.add(self.names[item], item.relative, result["pose"]["people"])
