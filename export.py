@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import heads
-import weights
+from sapiens2 import heads
+from sapiens2 import weights
 from sapiens2 import PRESETS, Sapiens2
 from sapiens2_app import safe_io
 from sapiens2_app.artefacts import TASKS
@@ -88,7 +88,7 @@ BF16_ROPE_TOLERANCE = 2e-3
 
 def tolerance(dtype: torch.dtype, rope_dtype: str) -> float:
     return max(TOLERANCE[dtype], BF16_ROPE_TOLERANCE) if rope_dtype == "bfloat16" else TOLERANCE[dtype]
-ONNX_PACKAGES = "pip install onnx onnxscript onnxruntime"
+ONNX_HINT = "pip install onnx onnxscript onnxruntime  (or: pip install 'sapiens2[export]')"
 
 
 class CheckFailed(Exception):
@@ -382,9 +382,9 @@ def check_output_path(path: Path, fmt: str):
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "export.py") -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="export.py",
+        prog=prog,
         description="Export a Sapiens2 model (ONNX, torch.export, AOTInductor), checked against eager PyTorch.")
     parser.add_argument("task", choices=TASKS)
     parser.add_argument("--model", metavar="SOURCE",
@@ -416,7 +416,7 @@ def check_packages(fmt: str, dtype: torch.dtype):
             try:
                 __import__(name)
             except ImportError:
-                raise UsageError(f"--format onnx needs {name}: {ONNX_PACKAGES}") from None
+                raise UsageError(f"--format onnx needs {name}: {ONNX_HINT}") from None
         if dtype == torch.bfloat16:
             raise UsageError("--format onnx --dtype bf16: ONNX Runtime has no bf16 kernels to check it with (and "
                              f"opset {ONNX_OPSET} has no bf16 Conv); export fp32 and let TensorRT build bf16 "
@@ -497,8 +497,8 @@ class RecordedStopSignals(StopSignals):
         super().handle(signum, frame)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "export.py") -> int:
+    args = build_parser(prog).parse_args(argv)
     stops = RecordedStopSignals()
     try:
         with stops:  # SIGTERM as Ctrl-C: the staging folder is removed either way

@@ -8,6 +8,7 @@ weights.resolve and the person detector's loader call `download`; reading the fo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -18,9 +19,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from heads import TASK_PRESETS
+from sapiens2.heads import TASK_PRESETS
 from sapiens2 import PRESETS
 
+INSTALL_HINT = "pip install huggingface_hub  (or: pip install 'sapiens2[hub]')"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Released checkpoints by preset name: pretrain by size ("0.4b"; the 4K variant has no Hub repo: HF cannot
 # represent its tokenizer), task models as "seg-0.4b" (albedo: none released).
@@ -180,9 +182,12 @@ def _download_builtin(repo_id: str, revision: str, local: Path, endpoint: str, p
 
 
 def _how_to_get(repo_id, revision, local, why) -> str:
+    without_hub = "" if importlib.util.find_spec("huggingface_hub") else (
+        f" huggingface_hub, when installed, downloads with its cache, auth and resume: {INSTALL_HINT}.")
     return (
         f"cannot get {repo_id} ({why}). Download model.safetensors (and config.json) from "
         f"https://huggingface.co/{repo_id}/tree/{revision} and put them in {local}, or pass the file's path."
+        + without_hub
     )
 
 

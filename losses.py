@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from processing import segmentation_metadata
+from sapiens2.processing import segmentation_metadata
 
 
 def keypoint_mse_loss(heatmaps, targets, weights=None, loss_weight: float = 10.0):

@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-import heads
-import processing
+from sapiens2 import heads
+from sapiens2 import processing
 from sapiens2 import PRESETS
 from sapiens2_app import detector, formats, models, tracking, video
 from sapiens2_app.artefacts import ARTEFACTS, DEFAULT_KINDS, KINDS, TASKS
@@ -84,9 +84,9 @@ def parse_kinds(text: str) -> set[str]:
     return kinds
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "predict.py") -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="predict.py", description="Run Sapiens2 on images: " + ", ".join(TASKS) + ".",
+        prog=prog, description="Run Sapiens2 on images: " + ", ".join(TASKS) + ".",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="outputs per image (under OUT, mirroring the inputs' paths):\n" + "\n".join(
             f"  {task:9s} " + "  ".join(f"NAME{s} ({'/'.join(sorted(k))})" for s, k in ARTEFACTS[task].items())
@@ -181,8 +181,8 @@ def random_banner(loaded: dict[str, LoadedModel], random_init: str, detector: st
         *pose_boxes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         with StopSignals():
             return run(args, argv if argv is not None else sys.argv[1:])

@@ -26,12 +26,11 @@ each place to transformers': `resample="hf"` (preprocess, preprocess_crops, crop
   `postprocess_normals` renormalises after the resize, which neither does (`renormalize=False` to match both).
 
 Metadata (names, skeleton, colours, flip pairs, palette, class weights) is read from `data/keypoints308.json` and
-`data/seg29.json` (installed as the package sapiens2_data).
+`data/seg29.json` (installed as sapiens2/data/).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import platform
 from dataclasses import dataclass
@@ -60,19 +59,7 @@ DARK_BLUR_KERNEL = 11  # cv2.GaussianBlur(k=11, sigma=0) in the original UDP dec
 # Metadata: keypoints and classes (stored once, in data/*.json), and the flip mapping of mirrored heatmaps
 # ----------------------------------------------------------------------------------------------------------------
 DATA_FILES = ("keypoints308.json", "seg29.json", "openpose.json", "coco_wholebody133.json")
-INSTALLED_DATA = "sapiens2_data"  # what `pip install` names data/ in site-packages (pyproject.toml's package-dir)
-
-
-def find_data_dir() -> Path:
-    """data/ beside this file (a checkout, or an editable install), else the installed copy."""
-    beside = Path(__file__).resolve().parent / "data"
-    if beside.is_dir():
-        return beside
-    spec = importlib.util.find_spec(INSTALLED_DATA)
-    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else beside
-
-
-DATA_DIR = find_data_dir()
+DATA_DIR = Path(__file__).resolve().parent / "data"  # beside this file: data/ in a checkout, sapiens2/data installed
 
 
 class MissingDataError(RuntimeError):

@@ -24,7 +24,9 @@ The attention and the q/k-norm+RoPE math live in kernels/ (a PyTorch reference, 
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Sequence
 
@@ -32,7 +34,63 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+__version__ = "0.1.0"  # the package's version, in this one place (the build reads it from here)
+
+# This file is also the namespace of the library around it: `from sapiens2 import weights, heads, processing,
+# kernels, losses, hub`. Installed, it is sapiens2/__init__.py and Python gives it a __path__; in a checkout it is
+# sapiens2.py beside those modules and gives itself the same one (to `import`, a module with a __path__ is a package).
+if "__path__" not in globals():
+    __path__ = [os.path.dirname(os.path.abspath(__file__))]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused ops: kernels/ beside this file, or the same math in plain PyTorch when this file is alone
+# ----------------------------------------------------------------------------------------------------
+class PlainKernels:
+    """The math of kernels/' PyTorch references in a few lines, for this file copied alone into another project
+    (torch and safetensors only). tests/test_install.py checks that it equals those references bit for bit."""
+
+    @staticmethod
+    def rms_norm_reference(x, weight, eps=1e-6):  # in fp32, rounded once to x's dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+    @staticmethod
+    def rope_reference(x, cos, sin):  # rotate the last P = len(cos) tokens, in cos.dtype
+        prefix, patches = x.to(cos.dtype).split((x.shape[-2] - cos.shape[0], cos.shape[0]), dim=-2)
+        half1, half2 = patches.chunk(2, dim=-1)
+        patches = patches * cos + torch.cat((-half2, half1), dim=-1) * sin
+        return torch.cat((prefix, patches), dim=-2).to(x.dtype)
+
+    @staticmethod
+    def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
+        rope, norm = PlainKernels.rope_reference, PlainKernels.rms_norm_reference
+        return rope(norm(q, q_weight, eps), cos, sin), rope(norm(k, k_weight, eps), cos, sin)
+
+    @staticmethod
+    def attention(q, k, v, scale=None):  # GQA: query head h reads key/value head h // (Hq / Hkv)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    @staticmethod
+    def attention_probs(q, k, scale=None):  # softmax(q k^T * scale) in fp32 or wider, rounded to q's dtype
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+        return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
+
+
+def load_kernels():
+    """kernels/ beside this file, imported as part of this namespace (sapiens2.kernels): a `kernels` package of
+    another distribution, such as Hugging Face's, stays what the rest of the process imports. Without kernels/,
+    PlainKernels."""
+    try:
+        return importlib.import_module(f"{__name__}.kernels")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.kernels":
+            raise  # kernels/ is there, but something it imports is missing: say so rather than run without it
+        return PlainKernels
+
+
+kernels = load_kernels()
 
 # ----------------------------------------------------------------------------------------------------
 # Config and size presets

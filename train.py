@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-import heads
-import processing
+from sapiens2 import heads
+from sapiens2 import processing
 from sapiens2 import PRESETS
 from sapiens2_app import dataset_files, datasets, distributed, optimization, starting_model, train_checkpoints
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
@@ -68,8 +68,8 @@ RECIPE_HELP = (
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="train.py", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog=prog, description=__doc__.split("\n\n")[0],
                            epilog=RECIPE_HELP + metrics_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     whole = lambda low: number_in(int, low)  # noqa: E731
@@ -159,9 +159,9 @@ def parse_head(text: str) -> list[list[int]]:
     return widths
 
 
-def parse_args(argv) -> argparse.Namespace:
+def parse_args(argv, prog: str = "train.py") -> argparse.Namespace:
     """The command line; with --resume, what it does not set explicitly comes from the resumed run."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if not args.resume:
         if args.model is None:
@@ -491,9 +491,9 @@ def train(args, argv=None) -> int:
         distributed.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     return train(args, argv)
 
 

@@ -90,11 +90,11 @@ from safetensors.torch import load_file, save_file
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import heads  # noqa: E402
+from sapiens2 import heads  # noqa: E402
 from sapiens2_app.runtime_info import device_peaks, versions  # noqa: E402
 from sapiens2_app import safe_io  # noqa: E402
 import sapiens2  # noqa: E402
-import weights  # noqa: E402
+from sapiens2 import weights  # noqa: E402
 
 IMPLS = ("hf", "hf-eager", "hf-compile", "ours", "ours-cl", "ours-triton", "ours-triton-cl", "ours-compile", "ours-graph")
 # heads.TASKS is the one list of tasks; sorted (stably) only to keep the row order the tables have always had:

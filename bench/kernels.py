@@ -45,7 +45,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
+from sapiens2.kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
 from sapiens2_app.runtime_info import device_peaks, versions  # noqa: E402
 from sapiens2_app import safe_io  # noqa: E402
 from sapiens2 import PRESETS  # noqa: E402
@@ -135,8 +135,8 @@ def attention_impls(device: str, with_backends: bool, batch: int, with_compile: 
     if with_compile:
         impls["compiled_reference"] = torch.compile(attention_reference)
     if device == "cuda":
-        import kernels
-        from kernels.attention_triton import attention_triton
+        from sapiens2 import kernels
+        from sapiens2.kernels.attention_triton import attention_triton
 
         # auto: what the default dispatch runs (the faster of the two, timed once per case)
         impls = {"triton": attention_triton, "auto": kernels.attention, **impls}
@@ -174,7 +174,7 @@ FORCED_FORWARD = {
 
 def forced_forward_impls():
     """{triton[LABEL]: launcher}; None for a label SAPIENS2_TRITON_EXCLUDE names (its row says so)."""
-    from kernels.attention_triton import attention_fwd, excluded_configs
+    from sapiens2.kernels.attention_triton import attention_fwd, excluded_configs
 
     def forced(blocks):
         return lambda q, k, v: attention_fwd(q, k, v, blocks=blocks)[0]
@@ -226,7 +226,7 @@ def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward
             if ms is not None:
                 r["max_rel_err"] = max_rel_err(run_or_none(lambda: fn(q, k, v)), want)
             if impl == "triton" and ms is not None:
-                from kernels.attention_triton import tuned_config
+                from sapiens2.kernels.attention_triton import tuned_config
 
                 r["config"] = tuned_config("fwd", q.dtype)
             rec.add(r)
@@ -254,7 +254,7 @@ def bench_qk_norm_rope(rec, device, shapes, dtypes, reps, copy_gbs, with_compile
     if with_compile:
         impls["compiled_reference"] = torch.compile(qk_norm_rope_reference)
     if device == "cuda":
-        from kernels.qk_norm_rope_triton import qk_norm_rope_triton
+        from sapiens2.kernels.qk_norm_rope_triton import qk_norm_rope_triton
 
         impls = {"triton": qk_norm_rope_triton, **impls}
     impls = {impl: fn for impl, fn in impls.items() if wanted(impl)}
@@ -433,7 +433,7 @@ def main():
             ap.error(f"--ops: unknown op {op!r}")
     info["bench_seconds"] = round(time.time() - t0, 1)
     if device == "cuda":
-        from kernels import dispatch
+        from sapiens2.kernels import dispatch
 
         info["auto_decisions"] = dispatch.decisions()
     rec.save()

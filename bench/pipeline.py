@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE_OF = "SAPIENS2_BENCH_CODE"  # a --baseline row's process: the checkout whose predict.py it runs
 sys.path.insert(0, os.environ.get(CODE_OF, str(ROOT)))
 
-import heads  # noqa: E402
+from sapiens2 import heads  # noqa: E402
 import predict  # noqa: E402
-import processing  # noqa: E402
+from sapiens2 import processing  # noqa: E402
 from sapiens2 import Sapiens2Config  # noqa: E402
 from sapiens2_app import inference, models, outputs, safe_io  # noqa: E402
 from sapiens2_app.runtime_info import versions  # noqa: E402

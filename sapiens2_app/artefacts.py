@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import heads
+from sapiens2 import heads
 
 TASKS = (*heads.TASKS, "features")
 KINDS = ("raw", "json", "vis", "openpose", "coco", "ply", "depth16")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import processing
+from sapiens2 import processing
 from sapiens2_app.pixel_augmentation import (Photometric, box_blur, coarse_dropout, down_up, gaussian_blur,
                                              gaussian_noise, median_blur, photometric_distortion, solarize)
 

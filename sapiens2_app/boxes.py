@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import processing
+from sapiens2 import processing
 from sapiens2_app.cli import UsageError
 from sapiens2_app.inputs import FRAME_KEY, InputImage, clip_of_frame_key, is_video
 

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-import weights
+from sapiens2 import weights
 from sapiens2 import Sapiens2Config
 
 PATCH_SIZE = Sapiens2Config.patch_size

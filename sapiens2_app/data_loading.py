@@ -12,7 +12,7 @@ import signal
 
 import torch
 
-import processing
+from sapiens2 import processing
 from sapiens2_app.cli import UsageError
 from sapiens2_app.datasets import collate
 from sapiens2_app.distributed import Distributed

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-import processing
+from sapiens2 import processing
 from sapiens2_app.cli import UsageError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}

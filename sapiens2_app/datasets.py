@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-import processing
-from heads import CANONICAL_FOCAL
-from losses import matting_foreground_target
+from sapiens2 import processing
+from sapiens2.heads import CANONICAL_FOCAL
+from sapiens2.losses import matting_foreground_target
 from sapiens2_app.augmentation import (PoseDraws, box_intrinsics, clip_box, continuous_crop, dense_pixels,
                                        dense_source_pixels, draw_dense, draw_pose, inside, pose_crop, pose_pixels,
                                        resample_affine, resample_box, seg_geometry, source_points, whole_image_box)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-import hub
-import processing
-import weights
+from sapiens2 import hub
+from sapiens2 import processing
+from sapiens2 import weights
 from sapiens2_app.dfine import DFine, DFineConfig
 
 DEFAULT_DETECTOR = "ustc-community/dfine-small-coco"

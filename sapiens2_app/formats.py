@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-import processing
-from processing import keypoint_metadata, read_data
+from sapiens2 import processing
+from sapiens2.processing import keypoint_metadata, read_data
 
 OPENPOSE_VERSION = 1.3  # the layout below: people[] with person_id and the *_keypoints_2d / *_3d arrays
 OPENPOSE_PARTS = ("pose_keypoints_2d", "face_keypoints_2d", "hand_left_keypoints_2d", "hand_right_keypoints_2d")

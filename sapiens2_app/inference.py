@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-import processing
+from sapiens2 import processing
 from sapiens2_app.boxes import boxes_for, pose_boxes
 from sapiens2_app.inputs import InputImage
 from sapiens2_app.models import LoadedModel

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import processing
+from sapiens2 import processing
 from sapiens2_app.augmentation import apply_affine
 from sapiens2_app.dataset_files import IGNORE
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-import heads
-import hub
-import weights
-from processing import keypoint_metadata
+from sapiens2 import heads
+from sapiens2 import hub
+from sapiens2 import weights
+from sapiens2.processing import keypoint_metadata
 from sapiens2 import PRESETS, Sapiens2
 from sapiens2_app import detector
 from sapiens2_app.artefacts import TASKS

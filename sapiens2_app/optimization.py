@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-import heads
+from sapiens2 import heads
 from sapiens2 import PRESETS
 from sapiens2_app.cli import UsageError
 

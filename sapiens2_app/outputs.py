@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-import processing
-from processing import keypoint_metadata
+from sapiens2 import processing
+from sapiens2.processing import keypoint_metadata
 from sapiens2_app import formats, pictures, tracking
 from sapiens2_app.artefacts import ARTEFACTS, MASKED_TASKS
 from sapiens2_app.cli import UsageError

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from PIL import Image, ImageDraw
 
-from processing import (coco17_indices, coco17_names, keypoint_metadata, load_image, resize,
+from sapiens2.processing import (coco17_indices, coco17_names, keypoint_metadata, load_image, resize,
                         segmentation_metadata)
 
 

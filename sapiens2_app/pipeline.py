@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-import processing
+from sapiens2 import processing
 from sapiens2_app.cli import one_line
 from sapiens2_app.inference import Inference, infer
 from sapiens2_app.inputs import InputImage

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import processing
+from sapiens2 import processing
 
 SOLARIZE_THRESHOLD = 128  # RandomSolarize, common_transforms.py:405
 

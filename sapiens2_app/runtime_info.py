@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-import re
-from pathlib import Path
 
 import torch
+
+import sapiens2
 
 # Versions are read from package metadata, so that recording them never imports a heavy package.
 _PACKAGES = {"torch": "torch", "numpy": "numpy", "pillow": "pillow", "safetensors": "safetensors",
@@ -24,15 +24,9 @@ def _package_version(distribution: str) -> str | None:
         return None
 
 
-def _sapiens2_version() -> str:
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"  # the checkout's root, above sapiens2_app/
-    match = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
-    return match[1] if match else "unknown"
-
-
 def versions() -> dict:
     """sapiens2, python, the packages (None when not installed), CUDA and the device name."""
-    v = {"sapiens2": _sapiens2_version(), "python": platform.python_version()}
+    v = {"sapiens2": sapiens2.__version__, "python": platform.python_version()}
     v.update({name: _package_version(dist) for name, dist in _PACKAGES.items()})
     v["torch"] = torch.__version__  # the imported build (e.g. "2.13.0+cpu"), not only the distribution's
     v["cuda"] = torch.version.cuda

@@ -37,7 +37,7 @@ try:
 except ImportError:  # Windows: no flock; held temporaries fall under the 10-minute rule
     fcntl = None
 
-from weights import new_file_mode
+from sapiens2.weights import new_file_mode
 
 # zlib effort of the PNG outputs. Pillow's default, 6, took 5x longer on a 1440x1080 normal picture (770 ms against
 # 150 ms on one core) for a 20% smaller file; the pixels are the same at any level (PNG is lossless).

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import torch
 
-import heads
-import weights
+from sapiens2 import heads
+from sapiens2 import weights
 from sapiens2 import Sapiens2
 from sapiens2_app import models
 from sapiens2_app.cli import UsageError

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import processing
+from sapiens2 import processing
 
 
 # ----------------------------------------------------------------------------------------------------

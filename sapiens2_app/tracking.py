@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from processing import keypoint_metadata
+from sapiens2.processing import keypoint_metadata
 
 MIN_SIMILARITY = 0.3  # below this IoU and OKS, two people are not the same person
 VISIBLE_SCORE = 0.3  # OKS counts the keypoints scored above this in both people (the pictures' threshold)

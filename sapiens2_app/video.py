@@ -27,6 +27,7 @@ from sapiens2_app.boxes import frame_keys_past_the_end
 from sapiens2_app.safe_io import atomic_write, hold, temporary_path
 
 ENCODERS = ("libx264", "mpeg4")  # H.264 where FFmpeg has it, else MPEG-4 part 2 (in every FFmpeg build)
+INSTALL_HINT = "pip install av  (or: pip install 'sapiens2[video]')"
 H264_QUALITY = "18"  # x264 CRF: visually lossless for these pictures
 DEFAULT_RATE = Fraction(30)  # when a file does not say its frame rate
 
@@ -36,7 +37,7 @@ def require_av():
     try:
         import av
     except ImportError:
-        raise ImportError("reading and writing videos needs PyAV: pip install av") from None
+        raise ImportError(f"reading and writing videos needs PyAV: {INSTALL_HINT}") from None
     return av
 
 

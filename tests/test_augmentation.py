@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-import processing
+from sapiens2 import processing
 from sapiens2_app import augmentation, datasets, pixel_augmentation
 from sapiens2_app.augmentation import PoseDraws
 from sapiens2_app.pixel_augmentation import Photometric

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import heads
+from sapiens2 import heads
 import sapiens2
-import weights
+from sapiens2 import weights
 from conftest import rel_err
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

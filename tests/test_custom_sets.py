@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-import heads
+from sapiens2 import heads
 import predict
-import processing
-import weights
-from processing import keypoint_metadata, segmentation_metadata
+from sapiens2 import processing
+from sapiens2 import weights
+from sapiens2.processing import keypoint_metadata, segmentation_metadata
 from sapiens2 import Sapiens2Config
 from sapiens2_app import formats, inputs, outputs, pictures
 from sapiens2_app.models import LoadedModel

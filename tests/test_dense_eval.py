@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-import heads
-import losses
+from sapiens2 import heads
+from sapiens2 import losses
 import train
 from sapiens2_app import datasets, metrics
 

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import predict
-import weights
+from sapiens2 import weights
 from sapiens2_app import detector, dfine
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

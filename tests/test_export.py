@@ -20,9 +20,9 @@ import torch
 from torch.onnx._internal.exporter import _onnx_program as onnx_program_module
 
 import export
-import heads
-import kernels
-import weights
+from sapiens2 import heads
+from sapiens2 import kernels
+from sapiens2 import weights
 from conftest import rel_err
 from sapiens2 import Sapiens2, Sapiens2Config, rope_tables_bf16
 
@@ -248,7 +248,7 @@ def test_missing_onnx_package_one_line_hint(missing, checkpoints, tmp_path, monk
     monkeypatch.setitem(sys.modules, missing, None)  # makes `import missing` raise ImportError
     assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx") == 2
     err = capsys.readouterr().err
-    assert err == f"error: --format onnx needs {missing}: pip install onnx onnxscript onnxruntime\n"
+    assert err == f"error: --format onnx needs {missing}: {export.ONNX_HINT}\n"
     assert list(tmp_path.iterdir()) == []
 
 

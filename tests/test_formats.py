@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 import predict
-import weights
-from processing import DATA_DIR, keypoint_metadata
+from sapiens2 import weights
+from sapiens2.processing import DATA_DIR, keypoint_metadata
 from sapiens2_app import formats
 from test_predict import model_args, run_cli, tiny_model, write_images
 

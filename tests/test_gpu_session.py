@@ -209,7 +209,7 @@ def test_excluded_configurations_leave_the_autotuner(monkeypatch):
     excluding all of one launcher's is refused (the launch would have nothing to run)."""
     import types
 
-    import kernels.attention_triton as at
+    from sapiens2.kernels import attention_triton as at
 
     monkeypatch.setenv("SAPIENS2_TRITON_EXCLUDE", " 128x64w8s3to, 128x64w8s3r128 ,")
     assert at.excluded_configs() == {"128x64w8s3to", "128x64w8s3r128"}

@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import heads
-import losses
-import processing
-import weights
+from sapiens2 import heads
+from sapiens2 import losses
+from sapiens2 import processing
+from sapiens2 import weights
 from conftest import rel_err
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -13,7 +13,7 @@ import torch
 import export
 import predict
 import train
-import weights
+from sapiens2 import weights
 from conftest import rel_err
 from test_train import COCO17, make_dataset, run_train, tiny_backbone
 

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import predict
-import weights
+from sapiens2 import weights
 from sapiens2_app import detector, inference, models, safe_io, video
 from test_predict import model_args, tiny_model, write_images
 from test_reliability import error_lines, faulty_writer, no_partials, strict_json

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 import export
 import predict
-import weights
+from sapiens2 import weights
 from sapiens2_app import dfine, safe_io
 from sapiens2_app.cli import StopSignals
 from test_export import tiny_model as tiny_export_model

@@ -22,10 +22,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
-from kernels.attention_triton import attention_bwd, attention_fwd, attention_triton, pack_heads  # noqa: E402
-from kernels.qk_norm_rope_triton import qk_norm_rope_bwd, qk_norm_rope_fwd, qk_norm_rope_triton  # noqa: E402
+from sapiens2 import kernels  # noqa: E402
+from sapiens2.kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
+from sapiens2.kernels.attention_triton import attention_bwd, attention_fwd, attention_triton, pack_heads  # noqa: E402
+from sapiens2.kernels.qk_norm_rope_triton import qk_norm_rope_bwd, qk_norm_rope_fwd, qk_norm_rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Tiles pinned: on CPU 16 x 16 (several tiles plus a tail at N = 44); on CUDA one Hopper-sized tile for every
@@ -34,7 +34,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2} if DEVICE == "cuda" else {"BLOCK_M": 16, "BLOCK_N": 16}
 QK_BLOCK_N = None if DEVICE == "cuda" else 16
 if DEVICE == "cuda":
-    import kernels.attention_triton
+    import sapiens2.kernels.attention_triton
 
     kernels.attention_triton.PINNED_BLOCKS = BLOCKS
 
@@ -319,7 +319,7 @@ def test_attention_forward_gqa_packed(dtype, D, B, HQ, HKV, N, monkeypatch):
     """GQA packing (PACK): one program stacks the HQ / HKV query heads of a K/V head in its tile's rows
     (16 rows: 8 tokens x 2 heads or 4 tokens x 4 heads, with a ragged last tile). Same tolerances as the
     unpacked forward; the grid has one program per (token tile, K/V head), not per query head."""
-    import kernels.attention_triton as at
+    from sapiens2.kernels import attention_triton as at
 
     q, k, v = bnhd(B, HQ, N, D, dtype, 11), bnhd(B, HKV, N, D, dtype, 12), bnhd(B, HKV, N, D, dtype, 13)
     scale = None if D != 80 else 0.3
@@ -353,7 +353,7 @@ def test_attention_forward_gqa_packed(dtype, D, B, HQ, HKV, N, monkeypatch):
 def test_gqa_packing_only_where_the_group_divides_the_tile():
     """pack_heads: the one rule for the grid and the kernel; the autotuner keeps packed configurations only
     for GQA blocks whose GROUP divides BLOCK_M (their unpacked twins always stay)."""
-    from kernels.attention_triton import _FWD_CONFIGS, _prune_packing
+    from sapiens2.kernels.attention_triton import _FWD_CONFIGS, _prune_packing
 
     assert [pack_heads(16, True, g) for g in (1, 2, 3, 4)] == [1, 2, 1, 4]
     assert pack_heads(16, False, 2) == 1
@@ -454,7 +454,7 @@ def test_attention_backward_variants(variant, dtype, D, B, HQ, HKV, N):
 
 @triton.jit
 def _exp2_fma_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    from kernels.attention_triton import _exp2_fma
+    from sapiens2.kernels.attention_triton import _exp2_fma
 
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y_ptr + offs, _exp2_fma(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
@@ -480,7 +480,7 @@ def test_exp2_on_fma_units():
 def test_persistent_grid_walks_every_tile(monkeypatch):
     """PERSISTENT launches min(tiles, SMs) programs (3 in the interpreter) that take tiles program_id,
     program_id + 3, ...: 2 x 4 heads x 3 token tiles = 24 tiles, every one written (the output starts as NaN)."""
-    import kernels.attention_triton as at
+    from sapiens2.kernels import attention_triton as at
 
     q, kv = bnhd(2, 4, 44, 64, torch.float32, 60), bnhd(2, 2, 44, 64, torch.float32, 61)
     grids = []
@@ -503,7 +503,7 @@ def test_tma_needs_aligned_heads(monkeypatch):
     stride) is refused when the tiles are pinned with TMA (a clear error), and every launch on such tensors goes to
     the autotuner without TMA configurations, whatever an earlier launch on aligned tensors of the same shape
     chose (the autotuner's cache key does not see alignment)."""
-    import kernels.attention_triton as at
+    from sapiens2.kernels import attention_triton as at
 
     q, k = bnhd(1, 2, 20, 16, torch.float32, 50), bnhd(1, 2, 20, 16, torch.float32, 51)
     shifted = torch.randn(1 * 20 * 2 * 16 + 1, device=DEVICE)[1:].view(1, 20, 2, 16).transpose(1, 2)
@@ -622,7 +622,7 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
     model = Sapiens2(config).eval().to(DEVICE, dtype)
     x = torch.randn(2, 3, 48, 32, device=DEVICE, dtype=dtype)  # N = 9 + 6 tokens: a ragged tile
     calls = []
-    for module_name, hook in (("kernels.attention", "_attention_triton"), ("kernels.qk_norm_rope", "_qk_norm_rope_triton")):
+    for module_name, hook in (("sapiens2.kernels.attention", "_attention_triton"), ("sapiens2.kernels.qk_norm_rope", "_qk_norm_rope_triton")):
         module = sys.modules[module_name]
         original = getattr(module, hook)
         monkeypatch.setattr(module, hook, lambda *a, _f=original, _n=hook: calls.append(_n) or _f(*a))
@@ -643,8 +643,8 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
 # ----------------------------------------------------------------------------------------------------
 
 
-from kernels import grid_triton  # noqa: E402
-from kernels.qk_norm_rope_triton import _round  # noqa: E402
+from sapiens2.kernels import grid_triton  # noqa: E402
+from sapiens2.kernels.qk_norm_rope_triton import _round  # noqa: E402
 
 
 @triton.jit
@@ -706,7 +706,7 @@ def test_program_coords_cover_the_grid_in_int64():
 
 def test_grid_has_no_65535_limit(monkeypatch):
     """B * H = 70,000 (head) programs: one flat axis, no axis above CUDA's 65,535 limit for axes 1 and 2."""
-    import kernels.attention_triton as at
+    from sapiens2.kernels import attention_triton as at
 
     grids = []
     monkeypatch.setattr(at, "_launch", lambda kernel, name, grid, *a: grids.append(grid({"BLOCK_M": 16, "BLOCK_N": 16})))
@@ -723,7 +723,7 @@ def test_grid_has_no_65535_limit(monkeypatch):
 
 import logging  # noqa: E402
 
-from kernels import dispatch  # noqa: E402
+from sapiens2.kernels import dispatch  # noqa: E402
 
 
 @pytest.fixture
@@ -883,7 +883,7 @@ def test_triton_rope_is_rope_reference(rope_dtype):
     own tables (RotaryEmbedding2D: [y | x | y | x] halves, both precision conventions) and prefix count, the
     kernel must equal rope_reference applied after RMSNorm, called here directly (not through
     qk_norm_rope_reference), so that a change to either side fails here."""
-    from kernels import rms_norm_reference, rope_reference
+    from sapiens2.kernels import rms_norm_reference, rope_reference
     from sapiens2 import RotaryEmbedding2D, Sapiens2Config
 
     config = Sapiens2Config(embed_dim=152, depth=2, num_heads=2, rope_dtype=rope_dtype)  # head dim 76, like 5b

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from processing import DATA_FILES
+from sapiens2.processing import DATA_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY_MODULES = {f"{name}.py" for name in ("sapiens2", "heads", "losses", "processing", "weights", "hub")}
@@ -44,7 +44,7 @@ def run_installed(site: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_wheel_installs_the_data_files(installed, tmp_path):
     assert sorted(p.name for p in (installed / "sapiens2_data").glob("*.json")) == sorted(DATA_FILES)
-    check = ("import processing; from sapiens2_app import formats; "
+    check = ("from sapiens2 import processing; from sapiens2_app import formats; "
              "print(processing.DATA_DIR); print(len(processing.keypoint_metadata()['keypoint_names']), "
              "len(processing.segmentation_metadata()['class_names']), len(formats.openpose_table()))")
     done = run_installed(installed, "-c", check, cwd=tmp_path)

@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors import safe_open
 
 import predict
-import processing
+from sapiens2 import processing
 from sapiens2_app import outputs as outputs_module
 from sapiens2_app import inference, pipeline, safe_io
 from test_predict import checkpoints, model_args, write_images  # noqa: F401, F811 (a fixture)

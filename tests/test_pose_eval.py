@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import processing
+from sapiens2 import processing
 import train
-import weights
+from sapiens2 import weights
 from fixtures import original_pose_eval as original
 from sapiens2_app import dataset_files, datasets, distributed, metrics, starting_model
 from test_train import SIZE, make_dataset, read_log, run_train, tiny_backbone

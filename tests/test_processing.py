@@ -24,7 +24,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import processing as P
+from sapiens2 import processing as P
 from sapiens2_app import formats, pictures, targets
 
 FIXTURES = Path(__file__).parent / "fixtures" / "processing"

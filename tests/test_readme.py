@@ -7,7 +7,7 @@ import runpy
 import pytest
 import torch
 
-import kernels
+from sapiens2 import kernels
 from conftest import ROOT
 
 

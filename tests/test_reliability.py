@@ -23,10 +23,10 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import heads
+from sapiens2 import heads
 import predict
-import processing
-import weights
+from sapiens2 import processing
+from sapiens2 import weights
 from sapiens2_app import inference, inputs, models, pipeline, safe_io
 from sapiens2_app.boxes import fit_boxes, read_boxes_file
 from test_predict import model_args, tiny_model, write_images

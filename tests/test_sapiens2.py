@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import kernels
+from sapiens2 import kernels
 from conftest import rel_err
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16, rope_tables_bf16
 

@@ -18,11 +18,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-import heads
+from sapiens2 import heads
 import predict
-import processing
+from sapiens2 import processing
 import train
-import weights
+from sapiens2 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
 from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, pixel_augmentation,
                           starting_model, targets)

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import train
-import weights
+from sapiens2 import weights
 from sapiens2_app import data_loading, starting_model, train_checkpoints
 from sapiens2_app.distributed import Distributed
 from sapiens2_app.train_checkpoints import TrainingStopped

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import heads
+from sapiens2 import heads
 import train
 from sapiens2 import PRESETS, Sapiens2Config
 from sapiens2_app import optimization, starting_model

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import predict
-import weights
+from sapiens2 import weights
 from sapiens2_app import tracking, video
 from test_predict import model_args, read_png, run_cli, tiny_model
 

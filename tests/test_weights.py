@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import weights
+from sapiens2 import weights
 from conftest import rel_err
-from hub import hf_cache_dir
+from sapiens2.hub import hf_cache_dir
 from sapiens2 import Sapiens2, Sapiens2Config
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
