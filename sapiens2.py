@@ -404,8 +404,10 @@ class Attention(nn.Module):
         # when the two diverge).
         if self.q_norm is not None:
             q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, *rope, eps=self.eps)
-        # Probabilities asked for: the formula written out (an N x N matrix per head) instead of the fused kernel.
-        o, probs = kernels.attention_with_probs(q, k, v) if keep_probs else (kernels.attention(q, k, v), None)
+        o = kernels.attention(q, k, v)
+        # Probabilities asked for: written out beside the fused kernel (an N x N matrix per head), not instead
+        # of it, so that looking at a block's attention leaves its output bit for bit what it was.
+        probs = kernels.attention_probs(q, k) if keep_probs else None
         o = self.proj(o.transpose(1, 2).reshape(B, N, C))  # merge heads head-major: (B, N, Hq*D)
         return (self.gamma(o) if self.gamma is not None else o), probs
 
@@ -599,8 +601,9 @@ class Sapiens2(nn.Module):
 
         layers:     blocks whose outputs to return (out.layers, out.layer_cls, out.layer_registers).
         mask:       (B, h*w) bool, patches to replace by the mask token (masked-image pretraining).
-        attentions: blocks whose attention probabilities to return (out.attentions), computed explicitly (an
-                    N x N matrix per head) there only; main blocks only, not the 4K tokenizer's.
+        attentions: blocks whose attention probabilities to return (out.attentions), written out (an N x N
+                    matrix per head) there only, beside the usual attention: every other output is identical
+                    with and without. Main blocks only, not the 4K tokenizer's.
         Blocks are indexed as a Python list: 0..depth-1, or -depth..-1 from the end (-1 = the last block).
         """
         layers = block_indices(layers, self.config.depth, "layers")

@@ -2,7 +2,7 @@
 
     qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)  per-head RMSNorm of q and k, then 2-D RoPE
     attention(q, k, v, scale)                               non-causal GQA attention
-    attention_with_probs(q, k, v, scale)                    the same written out, also returning its probabilities
+    attention_probs(q, k, scale)                            its probabilities softmax(q k^T * scale), written out
                                                             (plain PyTorch only: for inspecting attention maps)
 
 Each public function dispatches between its reference (`*_reference`, the definition, used on CPU) and a
@@ -15,13 +15,13 @@ package metadata it imports whatever `kernels` is first on sys.path and reads it
 one, transformers concludes that this is not the hub package (see tests/test_kernels_name_clash.py).
 """
 
-from .attention import attention, attention_reference, attention_with_probs
+from .attention import attention, attention_probs, attention_reference
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, rms_norm_reference, rope_reference
 
 __all__ = [
     "attention",
+    "attention_probs",
     "attention_reference",
-    "attention_with_probs",
     "qk_norm_rope",
     "qk_norm_rope_reference",
     "rms_norm_reference",

@@ -31,18 +31,18 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=query_heads_per_kv_head(q, k) > 1)
 
 
-def attention_with_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
-    """The formula of the module docstring written out, for looking at the attention: (o, p) with
-    p = softmax(q k^T * scale) (B, Hq, N, N), K and V repeated per query head (repeat_interleave), the
-    softmax in fp32 (or wider) and p rounded to q's dtype, as transformers' eager attention. It holds an
-    N x N matrix per head and image, which the fused kernels never do: a plain-PyTorch path, for the
-    blocks whose attention is inspected (Sapiens2.forward(attentions=...))."""
-    r = query_heads_per_kv_head(q, k)
-    k, v = (t.repeat_interleave(r, dim=1) for t in (k, v))  # (B, Hq, N, D)
+def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The probabilities of the attention above, for looking at them: q (B, Hq, N, D), k (B, Hkv, N, D) ->
+    p = softmax(q k^T * scale) (B, Hq, N, N), rows the queries, key head h // r serving query head h (K
+    repeated per query head with repeat_interleave), the softmax in fp32 (or wider) and p rounded to q's
+    dtype, as transformers' eager attention. It holds an N x N matrix per head and image, which `attention`
+    never does: plain PyTorch, never dispatched, computed beside `attention` (not instead of it) for the
+    blocks whose attention is inspected (Sapiens2.forward(attentions=...)), so that those blocks' outputs
+    are the ones they give when nobody looks."""
+    k = k.repeat_interleave(query_heads_per_kv_head(q, k), dim=1)  # (B, Hq, N, D)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16/fp16, fp64 stays fp64
-    p = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
-    return p @ v, p
+    return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
 
 
 def _attention_triton(q, k, v, scale):

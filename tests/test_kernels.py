@@ -251,19 +251,20 @@ ATTN_TOL = {torch.float32: (2e-5, 5e-5), torch.bfloat16: (2.5e-2, 4e-2), torch.f
 
 
 @pytest.mark.parametrize("HQ,HKV", [(4, 4), (4, 2), (8, 1)])
-def test_attention_with_probs_is_the_reference_and_its_softmax(HQ, HKV):
-    """o equals the reference (SDPA) and p is softmax(q k^T * scale) with K repeated per query head, fp64."""
+def test_attention_probs_is_the_softmax_with_k_repeated_per_query_head(HQ, HKV):
+    """p is softmax(q k^T * scale), query head h reading key head h // (HQ / HKV), fp64; and with these
+    probabilities p @ v is the reference's attention (the same head grouping as `attention`)."""
     B, N, D = 2, 23, 16
     q, k, v = (torch.randn(B, h, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(h + i))
                for i, h in enumerate((HQ, HKV, HKV)))
-    o, p = kernels.attention_with_probs(q, k, v, scale=0.3)
-    assert rel_err(o, attention_reference(q, k, v, scale=0.3)) < 1e-12  # fp64: summation order only
-    kr = k.repeat_interleave(HQ // HKV, dim=1)
+    p = kernels.attention_probs(q, k, scale=0.3)
+    kr, vr = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k, v))
     assert p.shape == (B, HQ, N, N) and rel_err(p, torch.softmax(q @ kr.transpose(-1, -2) * 0.3, dim=-1)) < 1e-12
-    _, p_default = kernels.attention_with_probs(q, k, v)
+    assert rel_err(p @ vr, attention_reference(q, k, v, scale=0.3)) < 1e-12  # fp64: summation order only
+    p_default = kernels.attention_probs(q, k)
     assert rel_err(p_default, torch.softmax(q @ kr.transpose(-1, -2) * D ** -0.5, dim=-1)) < 1e-12
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        kernels.attention_with_probs(q, k[:, :1].expand(B, 3, N, D), v[:, :1].expand(B, 3, N, D))
+        kernels.attention_probs(q, k[:, :1].expand(B, 3, N, D))
 
 
 @pytest.mark.parametrize("HQ,HKV", [(4, 4), (4, 2), (8, 2)])
