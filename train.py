@@ -17,7 +17,8 @@ step and per evaluation).
 This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/: the
 datasets (datasets.py, dataset_files.py, augmentation.py, pixel_augmentation.py, targets.py), what each process
 reads (data_loading.py), the model it starts from (starting_model.py), the processes (distributed.py), the optimizer
-and schedule (optimization.py), the checkpoints (train_checkpoints.py) and the metrics (metrics.py).
+and schedule (optimization.py), the checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py,
+dense_metrics.py).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from sapiens2 import PRESETS
 from sapiens2_app import dataset_files, datasets, distributed, optimization, starting_model, train_checkpoints
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
+from sapiens2_app.dense_metrics import Metric, dense_metric_names
 from sapiens2_app.distributed import Distributed
-from sapiens2_app.metrics import COCO_KEYPOINT_STATS, Metric, PoseEvaluation, dense_metric_names
 from sapiens2_app.models import RANDOM_INIT
+from sapiens2_app.pose_metrics import COCO_KEYPOINT_STATS, PoseEvaluation
 from sapiens2_app.reporting import Progress
 from sapiens2_app.safe_io import check_writable, json_text, os_error_text
 from sapiens2_app.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored

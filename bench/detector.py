@@ -10,8 +10,8 @@ detector once per image.
 
 FLOPs (2 per multiply-add) are counted on the meta device with hooks: every nn.Linear and nn.Conv2d, plus
 4 N^2 d per head in each self-attention; the deformable attention's bilinear sampling (~10 FLOPs per sampled
-channel, under 0.1% here) is left out. For the pose model bench/e2e.py's count_flops is reused.
-Latency: `--warmup` calls, then the median of `--reps` timed calls (bench/e2e.py's time_calls: CUDA events on a
+channel, under 0.1% here) is left out. For the pose model bench/e2e_models.py's count_flops is reused.
+Latency: `--warmup` calls, then the median of `--reps` timed calls (bench/e2e_measure.py's time_calls: CUDA events on a
 GPU, time.perf_counter on CPU), under torch.inference_mode. Results: bench/results/detector-<device>.json and .md.
 """
 
@@ -32,8 +32,10 @@ sys.path.append(str(ROOT / "bench"))  # after the root, so bench/kernels.py cann
 from sapiens2_app import detector  # noqa: E402
 from sapiens2_app.dfine import DFine, DFineConfig  # noqa: E402
 from sapiens2_app.dfine_backbone import SelfAttention  # noqa: E402
-import e2e  # noqa: E402
+from e2e_measure import device_name, device_slug, time_calls  # noqa: E402
+from e2e_models import DTYPES, build_ours, count_flops  # noqa: E402
 from sapiens2_app import safe_io  # noqa: E402
+from sapiens2_app.runtime_info import versions  # noqa: E402
 
 # The released COCO architectures (transformers' conversion script; every other field is DFineConfig's default).
 _B0 = dict(stem_channels=[3, 16, 16], stage_in_channels=[16, 64, 256, 512], stage_mid_channels=[16, 32, 64, 128],
@@ -81,10 +83,10 @@ def count_detector_flops(size: str, input_size=detector.INPUT_SIZE) -> dict:
 
 
 def measure(name: str, model: torch.nn.Module, inputs: torch.Tensor, args, warmup: int, reps: int) -> dict:
-    model = model.to(args.device, e2e.DTYPES[args.dtype]).eval()
-    inputs = inputs.to(args.device, e2e.DTYPES[args.dtype])
+    model = model.to(args.device, DTYPES[args.dtype]).eval()
+    inputs = inputs.to(args.device, DTYPES[args.dtype])
     with torch.inference_mode():
-        times = e2e.time_calls(lambda: model(inputs), args.device, warmup, reps)
+        times = time_calls(lambda: model(inputs), args.device, warmup, reps)
     print(f"{name}: median {statistics.median(times):.1f} ms over {len(times)} calls", file=sys.stderr)
     return dict(times_ms=times, median_ms=statistics.median(times))
 
@@ -94,7 +96,7 @@ def main(argv=None):
     parser.add_argument("--detectors", default="small", help=f"comma-separated: {', '.join(DFINE_ARCHS)}")
     parser.add_argument("--pose-size", default="1024x768", help="pose input HxW (released: 1024x768)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=list(e2e.DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pose-reps", type=int, default=1,
@@ -112,18 +114,18 @@ def main(argv=None):
                            args.reps))
         rows.append(row)
     pose = {"model": "Sapiens2 pose-0.4b", "input": args.pose_size, "per": "person (x2 with the flip test)",
-            **e2e.count_flops("0.4b", "pose", 1, pose_size, args.dtype)}
+            **count_flops("0.4b", "pose", 1, pose_size, args.dtype)}
     if args.pose_reps:
-        pose.update(measure(pose["model"], e2e.build_ours("0.4b", "pose", pose_size), torch.rand(1, 3, *pose_size),
+        pose.update(measure(pose["model"], build_ours("0.4b", "pose", pose_size), torch.rand(1, 3, *pose_size),
                             args, int(args.device != "cpu"), args.pose_reps))  # CPU: no warm-up needed (measured
         # 178 s for the first 1024x768 call, 180 s for the second, on a loaded 2-core machine)
     rows.append(pose)
     for row in rows[:-1]:  # the detector's share of one image with one person, flip test on
         row["share_of_one_person_image"] = {
             key: row[key] / (row[key] + 2 * pose[key]) for key in ("flops", "median_ms") if key in pose}
-    data = {"device": e2e.device_name(args.device), "dtype": args.dtype, "versions": e2e.versions(),
+    data = {"device": device_name(args.device), "dtype": args.dtype, "versions": versions(),
             "load_average_at_end": os.getloadavg(), "rows": rows}  # a shared machine: other processes slow both rows
-    out = args.out or ROOT / "bench" / "results" / f"detector-{e2e.device_slug(args.device)}.json"
+    out = args.out or ROOT / "bench" / "results" / f"detector-{device_slug(args.device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(safe_io.json_text(data, indent=1))
     out.with_suffix(".md").write_text(markdown(data))

@@ -63,7 +63,7 @@ def test_cpu_allocation_peak_counts_live_tensors_exactly():
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
-    import e2e
+    import e2e_measure
 
     x = torch.randn(1000, 1000)  # 4e6 bytes, allocated before: not counted
 
@@ -73,7 +73,7 @@ def test_cpu_allocation_peak_counts_live_tensors_exactly():
         del a
         return (b - 1).sum()  # b and b - 1: 8e6 again, never 12e6
 
-    assert e2e.cpu_allocation_peak_mb(two_at_once) == pytest.approx(8e6 / 2**20, abs=1e-3)
+    assert e2e_measure.cpu_allocation_peak_mb(two_at_once) == pytest.approx(8e6 / 2**20, abs=1e-3)
     held = [torch.randn(1000, 1000)]
 
     def free_then_allocate():
@@ -82,22 +82,22 @@ def test_cpu_allocation_peak_counts_live_tensors_exactly():
 
     # So the number is the peak of what the call's own allocations hold at once (8e6), an upper bound on
     # the net growth (4e6 here). A forward call frees nothing that existed before it, so there they agree.
-    assert e2e.cpu_allocation_peak_mb(free_then_allocate) == pytest.approx(8e6 / 2**20, abs=1e-3)
+    assert e2e_measure.cpu_allocation_peak_mb(free_then_allocate) == pytest.approx(8e6 / 2**20, abs=1e-3)
 
 
 def test_rounds_pool_the_timed_calls_and_a_failed_round_fails_the_row():
     sys.path.insert(0, str(ROOT / "bench"))
-    import e2e
+    import e2e_measure
 
     rounds = [{"status": "ok", "times_ms": [10.0, 12.0], "median_ms": 11.0, "peak_mb": 5.0},
               {"status": "ok", "times_ms": [20.0, 22.0], "median_ms": 21.0, "peak_mb": 6.0}]
-    row = e2e.merge_rounds(rounds, batch=4)
+    row = e2e_measure.merge_rounds(rounds, batch=4)
     assert row["times_ms"] == [10.0, 12.0, 20.0, 22.0] and row["median_ms"] == 16.0
     assert row["round_medians_ms"] == [11.0, 21.0] and row["rounds"] == 2
     assert row["images_per_s"] == pytest.approx(4 / 0.016) and row["peak_mb"] == 5.0  # memory: first round
     failed = {"status": "timeout", "reason": "over 10 s"}
-    assert e2e.merge_rounds([rounds[0], failed], batch=4) is failed
-    assert e2e.merge_rounds(rounds[:1], batch=4) is rounds[0]
+    assert e2e_measure.merge_rounds([rounds[0], failed], batch=4) is failed
+    assert e2e_measure.merge_rounds(rounds[:1], batch=4) is rounds[0]
 
 
 def load_bench(name: str):
@@ -156,11 +156,11 @@ def test_each_job_row_is_saved_as_it_finishes_and_append_compares_with_earlier_o
 
 
 def test_reduced_precision_bound_without_a_measured_noise():
-    e2e = load_bench("e2e")
-    assert e2e.tolerance_of({"dtype": "fp32", "impl": "hf"}) == (1e-3, "fp32")
-    bound, source = e2e.tolerance_of({"dtype": "bf16", "impl": "hf", "noise_vs_fp32": None})
-    assert bound == e2e.REDUCED_PRECISION_FALLBACK and source.startswith("fixed")
-    assert e2e.tolerance_of({"dtype": "fp16", "impl": "ours", "noise_vs_fp32": 1e-5})[0] == 1e-3  # floor: fp32's
+    compare = load_bench("e2e_compare")
+    assert compare.tolerance_of({"dtype": "fp32", "impl": "hf"}) == (1e-3, "fp32")
+    bound, source = compare.tolerance_of({"dtype": "bf16", "impl": "hf", "noise_vs_fp32": None})
+    assert bound == compare.REDUCED_PRECISION_FALLBACK and source.startswith("fixed")
+    assert compare.tolerance_of({"dtype": "fp16", "impl": "ours", "noise_vs_fp32": 1e-5})[0] == 1e-3  # floor: fp32's
 
 
 def test_kernel_rows_append_across_processes(tmp_path):

@@ -19,7 +19,7 @@ from PIL import Image
 from sapiens2 import heads
 from sapiens2 import losses
 import train
-from sapiens2_app import datasets, metrics
+from sapiens2_app import dense_metrics, datasets
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import original_dense_evaluators as original  # noqa: E402
@@ -30,7 +30,7 @@ REL = 1e-5
 
 def run_batches(task, info, batches):
     """Metric over (output, batch, valid) triples, as train.evaluate feeds it."""
-    metric = metrics.Metric(task, info)
+    metric = dense_metrics.Metric(task, info)
     for output, batch, valid in batches:
         metric.update(output, batch, valid)
     return metric.result()
@@ -140,7 +140,7 @@ def test_sobel_normals_are_cv2s():
     points = smooth_surface(torch.Generator().manual_seed(3), 1, 16, 12)
     valid = torch.ones(16, 12, dtype=torch.bool)
     expected = original.pointmap_surface_normals(points[0].permute(1, 2, 0), valid)  # (N, 3)
-    ours = metrics.sobel_normals(points)[0].permute(1, 2, 0).reshape(-1, 3)
+    ours = dense_metrics.sobel_normals(points)[0].permute(1, 2, 0).reshape(-1, 3)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)  # unit vectors from fp32 5x5 filters
 
 

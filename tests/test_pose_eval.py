@@ -17,7 +17,7 @@ from sapiens2 import processing
 import train
 from sapiens2 import weights
 from fixtures import original_pose_eval as original
-from sapiens2_app import dataset_files, datasets, distributed, metrics, starting_model
+from sapiens2_app import dataset_files, datasets, distributed, pose_metrics, starting_model
 from test_train import SIZE, make_dataset, read_log, run_train, tiny_backbone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +226,7 @@ def pycocotools_stats(people: dict, sigmas, keep=None) -> np.ndarray:
 
 def ours(people: dict, sigmas) -> dict:
     t = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in people.items()}
-    return metrics.coco_keypoint_stats(t["truth_image"], t["truth"], t["boxes"], t["areas"], t["image"],
+    return pose_metrics.coco_keypoint_stats(t["truth_image"], t["truth"], t["boxes"], t["areas"], t["image"],
                                        t["keypoints"], t["scores"], torch.tensor(sigmas, dtype=torch.float64))
 
 
@@ -237,14 +237,14 @@ def test_keypoint_ap_equals_pycocotools(set_name, noise):
     sigmas = official(set_name)[2]
     people = synthetic_people(len(sigmas), noise)
     got, expected = ours(people, sigmas), pycocotools_stats(people, sigmas)
-    assert list(got) == list(metrics.COCO_KEYPOINT_STATS)
+    assert list(got) == list(pose_metrics.COCO_KEYPOINT_STATS)
     np.testing.assert_allclose(list(got.values()), expected, atol=TOLERANCE, rtol=0)
     assert 0.2 < got["AP"] < 0.8 and got["AP (M)"] >= 0 and got["AP (L)"] >= 0  # a set that tells them apart
     # today's unranked share (mean over the thresholds of the people with OKS >= t) is another number
-    oks = metrics.oks_matrix(torch.from_numpy(people["keypoints"]), torch.from_numpy(people["truth"]),
+    oks = pose_metrics.oks_matrix(torch.from_numpy(people["keypoints"]), torch.from_numpy(people["truth"]),
                              torch.from_numpy(people["boxes"]), torch.from_numpy(people["areas"]),
                              torch.tensor(sigmas, dtype=torch.float64))
-    assert abs(got["AP"] - (oks.amax(0)[:, None] >= metrics.OKS_THRESHOLDS).double().mean().item()) > 0.02
+    assert abs(got["AP"] - (oks.amax(0)[:, None] >= pose_metrics.OKS_THRESHOLDS).double().mean().item()) > 0.02
 
 
 def test_the_original_scores_and_oks_nms_then_coco():
@@ -260,7 +260,7 @@ def test_the_original_scores_and_oks_nms_then_coco():
     keypoint_scores = rng.uniform(0, 1, (n, 17))
     keypoint_scores[0, :] = 0.1  # no keypoint above 0.2: score 0
     pipeline = {**people, "keypoints": keypoints, "image": people["truth_image"]}
-    got = metrics.original_keypoint_stats(torch.from_numpy(pipeline["image"]), torch.from_numpy(keypoints),
+    got = pose_metrics.original_keypoint_stats(torch.from_numpy(pipeline["image"]), torch.from_numpy(keypoints),
                                           torch.from_numpy(keypoint_scores), torch.from_numpy(people["truth"]),
                                           torch.from_numpy(people["boxes"]), torch.from_numpy(people["areas"]),
                                           torch.tensor(sigmas, dtype=torch.float64))
@@ -286,7 +286,7 @@ def test_pck_is_averaged_per_keypoint_as_the_original():
     visible[:, 4] = False  # never seen: does not count
     norm = np.repeat(rng.uniform(40, 120, (30, 1)), 2, 1)
     norm[7] = 0  # a zero norm factor: that person does not count
-    accuracy, mean, count = metrics.keypoint_pck_accuracy(torch.from_numpy(predicted), torch.from_numpy(truth),
+    accuracy, mean, count = pose_metrics.keypoint_pck_accuracy(torch.from_numpy(predicted), torch.from_numpy(truth),
                                                           torch.from_numpy(visible), 0.05, torch.from_numpy(norm))
     expected = original.keypoint_pck_accuracy(predicted, truth, visible, 0.05, norm.copy())
     np.testing.assert_allclose(accuracy.numpy(), expected[0], atol=1e-12, rtol=0)
@@ -318,7 +318,7 @@ def test_validation_runs_the_flip_test_and_logs_the_original_names_first(tmp_pat
     model, _ = starting_model.build_model(args, info, log=lambda message: None)
     model.eval()
     got = train.evaluate(model, val, args, info, distributed.Distributed("cpu"))
-    assert list(got) == [*metrics.COCO_KEYPOINT_STATS, "pck@0.05"]
+    assert list(got) == [*pose_metrics.COCO_KEYPOINT_STATS, "pck@0.05"]
     # on two processes (rank 1 then rank 0 here, their all_reduce a sum): rank 0 gets rows 0-2, rank 1 row 3 and
     # two padding rows; the one all_reduce gathers every person once
     rank1 = FakeProcess(1, None)
@@ -327,7 +327,7 @@ def test_validation_runs_the_flip_test_and_logs_the_original_names_first(tmp_pat
     batch = datasets.collate([val[(i, 0)] for i in range(len(val))])
     expected = {}
     for flip in (True, False):
-        evaluation = metrics.PoseEvaluation(info, val.people)
+        evaluation = pose_metrics.PoseEvaluation(info, val.people)
         with torch.no_grad():
             heatmaps = model.flip_test(batch["pixel_values"]) if flip else model(batch["pixel_values"]).heatmaps
         evaluation.update(heatmaps, batch, torch.ones(len(val)), range(len(val)))

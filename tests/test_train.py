@@ -24,8 +24,8 @@ from sapiens2 import processing
 import train
 from sapiens2 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
-from sapiens2_app import (augmentation, dataset_files, datasets, distributed, metrics, pixel_augmentation,
-                          starting_model, targets)
+from sapiens2_app import (augmentation, dataset_files, datasets, dense_metrics, distributed, pixel_augmentation,
+                          pose_metrics, starting_model, targets)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = (64, 48)  # network input (H, W)
@@ -146,7 +146,7 @@ def test_overfit_each_task(task, backbone, tmp_path):
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == steps and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3]), losses
     final = [r["eval"] for r in log if "eval" in r][-1]
-    name, sign = metrics.MAIN_METRIC[task] if task != "pose" else ("AP", 1)  # PCK@0.05: ~1 px here
+    name, sign = dense_metrics.MAIN_METRIC[task] if task != "pose" else ("AP", 1)  # PCK@0.05: ~1 px here
     # the same metric of the untrained model (fresh head on the same backbone, seed 0)
     model = weights.load(out)
     info = datasets.dataset_info(task, data)
@@ -210,7 +210,7 @@ def test_pose_targets_match_processing_and_perfect_heatmaps_score_one(tmp_path):
     torch.testing.assert_close(sample["labels"], heatmaps[0], atol=1e-6, rtol=0)
     assert torch.equal(sample["label_weights"], weights_[0]) and sample["label_weights"][3] == 0
     batch = datasets.collate([val[(i, 0)] for i in range(len(val))])
-    metric = metrics.PoseEvaluation(info, val.people)
+    metric = pose_metrics.PoseEvaluation(info, val.people)
     metric.update(batch["labels"], batch, torch.ones(len(val)), range(len(val)))
     result = metric.result()
     assert (result["pck@0.05"], result["AP"]) == (pytest.approx(1.0), pytest.approx(1.0))
