@@ -329,7 +329,6 @@ class PoseDataset:
                  min_visible: int = 1):
         """min_visible: the fewest visible keypoints a person needs (training: MIN_VISIBLE_KEYPOINTS)."""
         self.folder, self.size, self.augment, self.min_visible = Path(folder), tuple(size), augment, min_visible
-        self.drop_rules = min_visible > 1  # training: crops with too few keypoints are refetched too
         self.heatmap_size = (size[0] // heatmap_downscale, size[1] // heatmap_downscale)
         coco, path = read_annotations(self.folder)
         self.meta = keypoint_set(coco, path)
@@ -381,9 +380,12 @@ class PoseDataset:
         return len(self.people)
 
     def __getitem__(self, key) -> dict:
-        return refetching(self.make_sample, key, len(self), self.drop_rules)
+        """Every crop is a sample, even one that leaves no keypoint visible: the original trains on them all (its
+        check of the crop's keypoints is never reached in training, docs/training.md 'Samples left out')."""
+        index, seed = key
+        return {**self.make_sample(index, seed), "dropped": torch.tensor(0)}
 
-    def make_sample(self, index: int, seed: int) -> tuple[dict, str | None]:
+    def make_sample(self, index: int, seed: int) -> dict:
         person = self.people[index]
         generator = torch.Generator().manual_seed(int(seed))
         image = processing.load_image(person["file"]).float()
@@ -396,14 +398,7 @@ class PoseDataset:
         return {"pixel_values": processing.normalize(pixels), "labels": heatmaps, "label_weights": weights,
                 "keypoints": person["keypoints"][crop.order], "to_source": crop.to_source,
                 "bbox": torch.tensor(person["bbox"]), "area": torch.tensor(person["area"]),
-                "flipped": torch.tensor(draws.flip)}, crop_drop_reason(crop.visible)
-
-
-MIN_CROP_KEYPOINTS = 3  # pose_base_dataset.py:76: "absolute minimum visible keypoints is 3" (after the crop)
-
-
-def crop_drop_reason(visible: torch.Tensor) -> str | None:
-    return f"fewer than {MIN_CROP_KEYPOINTS} keypoints in the crop" if int(visible.sum()) < MIN_CROP_KEYPOINTS else None
+                "flipped": torch.tensor(draws.flip)}
 
 
 MIN_VISIBLE_KEYPOINTS = 8  # the released loaders' min_visible_keypoints (pose/configs/_base_/keypoints308.py:790)
@@ -413,7 +408,8 @@ def drop_reason(box_xyxy, keypoints, image_size, min_visible: int) -> str | None
     """Why the original's loaders leave a person out (pose/datasets/pose_base_dataset.py:158-214: a clipped box
     with no area, keypoints all at (0, 0), none labelled; and for training keypoints308_shutterstock_dataset.py:
     111-156: keypoints outside the image do not count, fewer than 8 visible are too few), or None to keep it.
-    box_xyxy: clipped to the image."""
+    The only pose rule: the original leaves out no crop (docs/training.md, 'Samples left out'). box_xyxy: clipped
+    to the image."""
     if box_xyxy[2] <= box_xyxy[0] or box_xyxy[3] <= box_xyxy[1]:
         return "box outside the image"
     if keypoints[:, :2].max() <= 0:
