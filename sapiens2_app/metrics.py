@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import processing
-from sapiens2_app.augmentation import apply_affine
+from sapiens2_app.pose_augmentation import apply_affine
 from sapiens2_app.dataset_files import IGNORE
 
 # The original NormalEvaluator's and PointmapEvaluator's defaults (what every released config uses).
