@@ -15,10 +15,10 @@ optimizer state (optimizer.safetensors + train_state.json: no pickle), log.jsonl
 step and per evaluation).
 
 This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/: the
-datasets (datasets.py, dataset_files.py, augmentation.py, pixel_augmentation.py, targets.py), what each process
-reads (data_loading.py), the model it starts from (starting_model.py), the processes (distributed.py), the optimizer
-and schedule (optimization.py), the checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py,
-dense_metrics.py).
+datasets (datasets.py, pose_dataset.py, dataset_files.py, dense_augmentation.py, pose_augmentation.py,
+random_draws.py, pixel_augmentation.py, targets.py), what each process reads (data_loading.py), the model it starts
+from (starting_model.py), the processes (distributed.py), the optimizer and schedule (optimization.py), the
+checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py, dense_metrics.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import torch
 from sapiens2 import heads
 from sapiens2 import processing
 from sapiens2 import PRESETS
-from sapiens2_app import dataset_files, datasets, distributed, optimization, starting_model, train_checkpoints
+from sapiens2_app import (dataset_files, datasets, distributed, optimization, pose_dataset, starting_model,
+                          train_checkpoints)
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.dense_metrics import Metric, dense_metric_names
@@ -332,7 +333,7 @@ class Run:
         self.val_set = datasets.build_dataset(args.task, Path(args.data), "val", size, False, self.info)
         if getattr(self.train_set, "dropped", None):
             self.note(f"train/ people left out as the original's loaders do: "
-                      f"{datasets.describe_dropped(self.train_set.dropped)}")
+                      f"{pose_dataset.describe_dropped(self.train_set.dropped)}")
         self.global_batch = args.batch_size * dist_info.world * args.accumulate
         if len(self.train_set) < self.global_batch:
             raise UsageError(

@@ -1,7 +1,7 @@
 """Pixel-level augmentations of the original's train_pipelines, in torch, on uint8 grey levels held in float tensors
 (3, H, W), RGB, computed as OpenCV computes them: photometric distortion (its 8-bit HSV), box, median and Gaussian
 blur, noise, solarize, down-up sampling, coarse dropout and the seg random background (its 8-bit Lab). No
-randomness here: augmentation.py draws every choice and passes it in."""
+randomness here: pose_augmentation.py and dense_augmentation.py draw every choice and pass it in."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 The original's transforms need its registry, albumentations and scipy, so their math is copied here (each block
 cites its file and line at commit 3098c14) and run with numpy and cv2 on the same random draws as ours: the draws
-are injected (augmentation.py draws every random number in one function and applies them in another), so both
-implementations see identical choices. Tolerances: geometry in float32 (the original's warp matrix is float32)
-1e-4 px; pixels: exact where both compute on integers, else within 1 grey level (the reason is given at each).
+are injected (pose_augmentation.py and dense_augmentation.py draw every random number in one function and apply
+them in others), so both implementations see identical choices. Tolerances: geometry in float32 (the original's
+warp matrix is float32) 1e-4 px; pixels: exact where both compute on integers, else within 1 grey level (the
+reason is given at each).
 """
 
 import json
@@ -18,8 +19,8 @@ import torch
 from PIL import Image
 
 from sapiens2 import processing
-from sapiens2_app import augmentation, datasets, pixel_augmentation
-from sapiens2_app.augmentation import PoseDraws
+from sapiens2_app import datasets, dense_augmentation, pixel_augmentation, pose_augmentation, pose_dataset, targets
+from sapiens2_app.pose_augmentation import PoseDraws
 from sapiens2_app.pixel_augmentation import Photometric
 from sapiens2_app.dataset_files import TARGET_FOLDERS
 
@@ -179,14 +180,14 @@ def test_pose_crop_geometry_is_the_originals():
     our affine map is the original's warp matrix (with its flip), the keypoints land where it puts them, and the
     same keypoints stay visible."""
     rng = np.random.default_rng(0)
-    upper, lower = datasets.body_halves(list(processing.coco17_names()))
+    upper, lower = pose_dataset.body_halves(list(processing.coco17_names()))
     assert (upper, lower) == (list(range(11)), list(range(11, 17)))
     half_bodies = flips = 0
     for _ in range(200):
         img_h, img_w = int(rng.integers(60, 200)), int(rng.integers(60, 200))
         bbox, keypoints, visible = random_person(rng, img_h, img_w)
         rands = random_rands(rng)
-        box = augmentation.clip_box(bbox, (img_h, img_w))
+        box = pose_augmentation.clip_box(bbox, (img_h, img_w))
         x, y, w, h = bbox  # pose_base_dataset.py:158-162
         expected_box = [np.clip(x, 0, img_w - 1), np.clip(y, 0, img_h - 1), np.clip(x + w, 0, img_w - 1),
                         np.clip(y + h, 0, img_h - 1)]
@@ -196,8 +197,8 @@ def test_pose_crop_geometry_is_the_originals():
         center, scale, warp_mat, points, vis = original_pose_geometry(
             box.numpy(), keypoints, visible, img_w, COCO_FLIP, upper, lower, rands, SIZE)
         draws = draws_of(rands)
-        crop = augmentation.pose_crop(box, torch.from_numpy(np.concatenate([keypoints, visible[:, None]], 1)), img_w,
-                                      SIZE, draws, COCO_FLIP, (upper, lower))
+        crop = pose_augmentation.pose_crop(box, torch.from_numpy(np.concatenate([keypoints, visible[:, None]], 1)),
+                                           img_w, SIZE, draws, COCO_FLIP, (upper, lower))
         # the original's matrix maps the (flipped) image to the crop; ours maps the crop to the unflipped image
         mirror = np.array([[-1.0, 0, img_w - 1], [0, 1, 0], [0, 0, 1]]) if draws.flip else np.eye(3)
         ours = np.linalg.inv(crop.to_source.double().numpy()) @ mirror
@@ -223,14 +224,14 @@ def test_pose_crop_pixels_are_the_originals_warp():
         image = smooth_image(rng, img_h, img_w)
         bbox, keypoints, visible = random_person(rng, img_h, img_w)
         rands = random_rands(rng)
-        box = augmentation.clip_box([max(bbox[0], 0), max(bbox[1], 0), bbox[2], bbox[3]], (img_h, img_w))
+        box = pose_augmentation.clip_box([max(bbox[0], 0), max(bbox[1], 0), bbox[2], bbox[3]], (img_h, img_w))
         *_, warp_mat, _, _ = original_pose_geometry(box.numpy(), keypoints, visible, img_w, COCO_FLIP,
                                                     range(11), range(11, 17), rands, SIZE)
         expected = original_warp(image[..., ::-1], warp_mat, SIZE, rands["flip"] <= 0.5)[..., ::-1]
         draws = draws_of(rands)
-        crop = augmentation.pose_crop(box, torch.from_numpy(np.concatenate([keypoints, visible[:, None]], 1)), img_w,
-                                      SIZE, draws, COCO_FLIP, (range(11), range(11, 17)))
-        ours = augmentation.pose_pixels(to_tensor(image), crop, SIZE, draws)
+        crop = pose_augmentation.pose_crop(box, torch.from_numpy(np.concatenate([keypoints, visible[:, None]], 1)),
+                                           img_w, SIZE, draws, COCO_FLIP, (range(11), range(11, 17)))
+        ours = pose_augmentation.pose_pixels(to_tensor(image), crop, SIZE, draws)
         difference = (ours - to_tensor(expected)).abs()
         assert difference.max() <= 1, (case, crop.upscale, float(difference.max()))
         assert difference.gt(0).float().mean() < 0.05
@@ -285,7 +286,7 @@ def test_pose_draws_follow_the_configured_distributions():
     3/5/7, the hole's sides 0.2-0.4 of the crop and inside it."""
     generator = torch.Generator().manual_seed(0)
     n = 2000
-    draws = [augmentation.draw_pose(generator, (256, 192)) for _ in range(n)]
+    draws = [pose_augmentation.draw_pose(generator, (256, 192)) for _ in range(n)]
 
     def share(values, p):
         assert abs(np.mean(values) - p) < 4 * math.sqrt(p * (1 - p) / n), (np.mean(values), p)
@@ -324,13 +325,13 @@ def test_half_body_halves_of_the_known_sets():
     COCO-WholeBody's 133: nose-wrists / hips-feet; a known set in another order keeps its halves by name; an
     unknown set by name."""
     names308 = processing.keypoint_metadata()["keypoint_names"]
-    upper, lower = datasets.body_halves(names308)
+    upper, lower = pose_dataset.body_halves(names308)
     assert lower == list(range(9, 21)) and upper == list(range(9)) + list(range(21, 63))
     wholebody = processing.read_data("coco_wholebody133.json")["keypoint_names"]
-    assert datasets.body_halves(wholebody) == (list(range(11)), list(range(11, 23)))
+    assert pose_dataset.body_halves(wholebody) == (list(range(11)), list(range(11, 23)))
     shuffled = list(reversed(processing.coco17_names()))
-    assert datasets.body_halves(shuffled) == (list(range(6, 17)), list(range(6)))
-    assert datasets.body_halves(["head", "left_hand", "left_knee", "right_foot"]) == ([0, 1], [2, 3])
+    assert pose_dataset.body_halves(shuffled) == (list(range(6, 17)), list(range(6)))
+    assert pose_dataset.body_halves(["head", "left_hand", "left_knee", "right_foot"]) == ([0, 1], [2, 3])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -361,12 +362,12 @@ def test_pose_people_the_original_leaves_out(tmp_path):
               ([5, 5, 30, 40], keypoints_with(10, x=-2.0)),  # 10 visible, 7 of them inside the image (x > 0)
               ([-20, -20, 60, 60], keypoints_with(17))]  # kept: clipped to the image
     write_pose_set(tmp_path / "train", people)
-    dataset = datasets.PoseDataset(tmp_path / "train", SIZE, True, min_visible=datasets.MIN_VISIBLE_KEYPOINTS)
+    dataset = pose_dataset.PoseDataset(tmp_path / "train", SIZE, True, min_visible=pose_dataset.MIN_VISIBLE_KEYPOINTS)
     assert len(dataset) == 2
     assert dataset.dropped == {"box outside the image": 1, "keypoints all at (0, 0)": 1,
                                "fewer than 8 visible keypoints in the image": 2}
     assert dataset.people[1]["box_xyxy"].tolist() == [0, 0, 40, 40]
-    evaluation = datasets.PoseDataset(tmp_path / "train", SIZE, False)  # val keeps the sparse people
+    evaluation = pose_dataset.PoseDataset(tmp_path / "train", SIZE, False)  # val keeps the sparse people
     assert len(evaluation) == 4 and evaluation.dropped == {"box outside the image": 1, "keypoints all at (0, 0)": 1}
 
 
@@ -453,18 +454,80 @@ def test_pointmap_inside_the_canonical_camera_is_refetched(tmp_path):
     assert kept_and_dropped(dataset, lambda s: "far") == (["far"], ["near"])
 
 
-def test_pose_crops_with_under_three_keypoints_are_refetched(tmp_path):
-    """pose_base_dataset.py:76: fewer than 3 visible keypoints in the crop -> another person, at random."""
-    write_pose_set(tmp_path / "train", [([2, 2, 8, 8], keypoints_with(17, x=30.0, y=50.0)),  # keypoints off its box
-                                        ([5, 5, 30, 40], keypoints_with(17))])
-    dataset = datasets.PoseDataset(tmp_path / "train", SIZE, False, min_visible=datasets.MIN_VISIBLE_KEYPOINTS)
-    assert dataset.make_sample(0, 0)[1] == "fewer than 3 keypoints in the crop" and dataset.make_sample(1, 0)[1] is None
+def original_udp_heatmaps(heatmap_size, keypoints, visible, sigma):
+    """generate_udp_gaussian_heatmaps (pose/datasets/codecs/utils/gaussian_heatmap.py:155-240) for one person:
+    keypoints (K, 2) in heatmap pixels, visible (K,), heatmap_size (W, H) -> heatmaps (K, H, W), weights (K,)."""
+    width, height = heatmap_size
+    heatmaps = np.zeros((len(keypoints), height, width), np.float32)
+    weights = visible.astype(np.float32).copy()
+    radius = sigma * 3
+    gaussian_size = 2 * radius + 1
+    x = np.arange(0, gaussian_size, 1, dtype=np.float32)
+    y = x[:, None]
+    for k in range(len(keypoints)):
+        if visible[k] < 0.5:
+            continue
+        mu = (keypoints[k] + 0.5).astype(np.int64)
+        left, top = (mu - radius).astype(np.int64)
+        right, bottom = (mu + radius + 1).astype(np.int64)
+        if left >= width or top >= height or right < 0 or bottom < 0:
+            weights[k] = 0
+            continue
+        x0 = gaussian_size // 2 + keypoints[k][0] - mu[0]
+        y0 = gaussian_size // 2 + keypoints[k][1] - mu[1]
+        gaussian = np.exp(-((x - x0) ** 2 + (y - y0) ** 2) / (2 * sigma**2))
+        region = heatmaps[k, max(0, top):min(height, bottom), max(0, left):min(width, right)]
+        np.maximum(region, gaussian[max(0, -top):min(height, bottom) - top, max(0, -left):min(width, right) - left],
+                   out=region)
+    return heatmaps, weights
+
+
+NO_DRAWS = {"flip": 1.0, "half_body": 1.0, "upper": 0.0, "shift_tn": (0.0, 0.0), "shift": 1.0, "scale_tn": 0.0,
+            "rot_tn": 0.0, "rot": 1.0}  # the original's draws that change nothing (no flip, half body, shift...)
+
+
+def test_pose_crop_with_two_keypoints_is_trained_on(tmp_path):
+    """The original trains on every crop: its check for fewer than 3 visible keypoints after the crop
+    (pose_base_dataset.py:57-78) is never reached in training (docs/training.md, 'Samples left out'). A person
+    with 9 visible keypoints, 2 of them inside the crop, is its own sample (no refetch), with the original's
+    targets: UDPHeatmap's Gaussians for the 2 (PoseTopdownAffine, PoseGenerateTarget, PosePackInputs), weight 0 for
+    the 7 outside the crop and the 8 unlabelled."""
+    inside = {0: (22.0, 33.0), 5: (28.0, 38.0)}  # the crop: x 18.75-31.25, y 26.7-43.3 (box 20-30 x 30-40, x1.25)
+    outside = {1: (5.0, 5.0), 2: (55.0, 5.0), 3: (5.0, 75.0), 4: (55.0, 75.0), 6: (40.0, 35.0), 7: (10.0, 35.0),
+               8: (25.0, 60.0)}  # in the 60x80 image, so the person is loaded (9 visible >= 8)
+    points = {**inside, **outside}
+    person = [v for k in range(17) for v in (*points.get(k, (0.0, 0.0)), 2 if k in points else 0)]
+    write_pose_set(tmp_path / "train", [([20, 30, 10, 10], person), ([5, 5, 30, 40], keypoints_with(17))])
+    info = datasets.dataset_info("pose", tmp_path)
+    dataset = datasets.build_dataset("pose", tmp_path, "train", SIZE, False, info)  # train.py --no-augment
+    assert len(dataset) == 2 and dataset.dropped == {}
     for seed in range(3):
         sample = dataset[(0, seed)]
-        assert sample["dropped"] >= 1 and torch.equal(sample["bbox"], torch.tensor([5.0, 5, 30, 40]))
-    assert dataset[(1, 0)]["dropped"] == 0
-    evaluation = datasets.PoseDataset(tmp_path / "train", SIZE, False)  # evaluation keeps every crop
-    assert evaluation[(0, 0)]["dropped"] == 0
+        assert sample["dropped"] == 0 and sample["bbox"].tolist() == [20, 30, 10, 10]
+
+    keypoints = np.asarray(person, np.float32).reshape(17, 3)
+    upper, lower = pose_dataset.body_halves(list(processing.coco17_names()))
+    box = pose_augmentation.clip_box([20, 30, 10, 10], (80, 60)).numpy()
+    labelled = np.minimum(1, keypoints[:, 2])  # v = 2 -> 1, pose_base_dataset.py:169
+    *_, network_points, visible = original_pose_geometry(box, keypoints[:, :2], labelled, 60, COCO_FLIP, upper, lower,
+                                                         NO_DRAWS, SIZE)
+    assert np.flatnonzero(visible).tolist() == [0, 5]  # the case: 2 of the 9 visible keypoints in the crop
+    heatmap_size = (SIZE[1] // 4, SIZE[0] // 4)  # (W, H), the codec's
+    scale_factor = (np.array([SIZE[1], SIZE[0]]) - 1) / (np.array(heatmap_size) - 1)  # UDPHeatmap.__init__
+    expected, weights = original_udp_heatmaps(heatmap_size, network_points / scale_factor.astype(np.float32), visible,
+                                              targets.heatmap_sigma(heatmap_size[::-1]))
+    sample = dataset[(0, 0)]
+    assert sample["label_weights"].tolist() == weights.tolist() and weights.sum() == 2
+    # the keypoints reach the crop by two float32 chains (ours: float64 then cast; cv2.transform): a few ulps of
+    # ~30 px (4e-6 px each) apart, times the Gaussian's slope (at most 1 / (sigma sqrt(e)) = 0.61 per heatmap
+    # pixel at sigma 1, 4 network pixels each): ~1e-6; 1e-5 leaves room and fails on any misplaced Gaussian
+    torch.testing.assert_close(sample["labels"], torch.from_numpy(expected), atol=1e-5, rtol=0)
+    assert float(sample["labels"][0].max()) > 0.5 and float(sample["labels"][5].max()) > 0.5
+
+    augmented = datasets.build_dataset("pose", tmp_path, "train", SIZE, True, info)  # random crops: never refetched
+    kept = [augmented[(0, seed)] for seed in range(12)]
+    assert all(s["dropped"] == 0 and s["bbox"].tolist() == [20, 30, 10, 10] for s in kept)
+    assert min(int(s["label_weights"].sum()) for s in kept) < 3  # some crops hold fewer than 3 keypoints
 
 
 def test_train_logs_the_samples_it_left_out(tmp_path):
@@ -509,7 +572,7 @@ def test_continuous_crop_is_the_originals():
         def corner_of(u_y, u_x):
             return lambda mh, mw: (min(int(u_y * (mh + 2)), mh + 1), min(int(u_x * (mw + 2)), mw + 1))
         expected = original_continuous_crop(coords, [a[:2] for a in attempts], [corner_of(*a[2:]) for a in attempts])
-        box = augmentation.continuous_crop((h, w), attempts)
+        box = dense_augmentation.continuous_crop((h, w), attempts)
         if box is None:
             assert expected.shape == coords.shape
             continue
@@ -535,13 +598,13 @@ def test_seg_geometry_is_the_originals_chain():
     for case in range(16):
         h, w = int(rng.integers(30, 120)), int(rng.integers(30, 120))
         labels = torch.from_numpy(rng.integers(0, 3, (h, w))).float()
-        draws = augmentation.DenseDraws(seg_resize=float(rng.uniform(0.4, 2.0)), flip=bool(case % 2),
+        draws = dense_augmentation.DenseDraws(seg_resize=float(rng.uniform(0.4, 2.0)), flip=bool(case % 2),
                                         rotation=float(rng.uniform(-60, 60)) if case % 4 else 0.0,
                                         seg_crop=tuple((rng.uniform(), rng.uniform()) for _ in range(11))
                                         if case % 3 else ())
-        geometry = augmentation.seg_geometry((h, w), out_size, draws, labels)
+        geometry = dense_augmentation.seg_geometry((h, w), out_size, draws, labels)
         # the original's chain (seg_transforms.py:185-248, 292-329, 37-60, 86-88)
-        new_h, new_w = augmentation.seg_resized_size((h, w), out_size, draws.seg_resize)
+        new_h, new_w = dense_augmentation.seg_resized_size((h, w), out_size, draws.seg_resize)
         ratio = draws.seg_resize
         factor = min(int(out_size[1] * ratio) / w, int(out_size[0] * ratio) / h)
         assert (new_h, new_w) == (int(round(h * factor)), int(round(w * factor)))
@@ -550,7 +613,7 @@ def test_seg_geometry_is_the_originals_chain():
             pad_h, pad_w = max(out_size[0] - new_h, 0), max(out_size[1] - new_w, 0)
             coords = cv2.copyMakeBorder(coords, 0, pad_h, 0, pad_w, cv2.BORDER_CONSTANT, value=-1000)
             small = processing.resize(labels[None], (new_h, new_w), "nearest")[0]
-            y0, x0 = augmentation.seg_crop_corner(small, out_size, draws.seg_crop)
+            y0, x0 = dense_augmentation.seg_crop_corner(small, out_size, draws.seg_crop)
             coords = coords[y0:y0 + out_size[0], x0:x0 + out_size[1]]
         wh, ww = coords.shape[:2]
         if draws.rotation:
@@ -559,10 +622,11 @@ def test_seg_geometry_is_the_originals_chain():
         if draws.flip:
             coords = cv2.flip(coords, 1)
         coords = cv2.resize(coords, (out_size[1], out_size[0]), interpolation=cv2.INTER_LINEAR)
-        ours = augmentation.source_points(geometry.to_source, out_size).numpy()
-        window = augmentation.source_points(geometry.to_window, out_size).numpy()
+        ours = dense_augmentation.source_points(geometry.to_source, out_size).numpy()
+        window = dense_augmentation.source_points(geometry.to_window, out_size).numpy()
         step = w / new_w  # source pixels per window pixel
-        stretched = augmentation.source_points(augmentation.resize_matrix(out_size, (wh, ww)), out_size).numpy()
+        stretched = dense_augmentation.source_points(dense_augmentation.resize_matrix(out_size, (wh, ww)),
+                                                     out_size).numpy()
         interior = ((window >= 1.5) & (window <= np.array([ww, wh]) - 2.5)).all(-1) & (
             (ours >= 2 * step) & (ours <= np.array([w, h]) - 1 - 2 * step)).all(-1) & (
             (stretched >= 0.5) & (stretched <= np.array([ww, wh]) - 1.5)).all(-1)  # SegResize clamps its border
@@ -578,7 +642,7 @@ def test_normal_geometry_is_the_originals_chain(tmp_path):
     out_size = (40, 30)
     for case in range(12):
         h, w = int(rng.integers(30, 100)), int(rng.integers(30, 100))
-        draws = augmentation.DenseDraws(
+        draws = dense_augmentation.DenseDraws(
             scale=float(rng.uniform(0.5, 2.0)) if case % 2 else None, flip=bool(case % 3),
             crop=tuple((rng.uniform(0.5, 2), rng.uniform(0.4, 1), rng.uniform(), rng.uniform()) for _ in range(8)))
         dataset = datasets.DenseDataset.__new__(datasets.DenseDataset)
@@ -589,7 +653,7 @@ def test_normal_geometry_is_the_originals_chain(tmp_path):
         if draws.scale:
             coords = cv2.resize(coords, (int(round(w * draws.scale)), int(round(h * draws.scale))),
                                 interpolation=cv2.INTER_LINEAR)
-        x0, y0, cw, ch = augmentation.continuous_crop(coords.shape[:2], draws.crop)
+        x0, y0, cw, ch = dense_augmentation.continuous_crop(coords.shape[:2], draws.crop)
         coords = coords[y0:y0 + ch, x0:x0 + cw]
         if draws.flip:
             coords = cv2.flip(coords, 1)
@@ -642,7 +706,7 @@ def test_dense_draws_follow_the_configs(task):
     """600 draws per task: each choice at its config's probability (within 4 standard errors), in its range."""
     generator = torch.Generator().manual_seed(1)
     n = 600
-    draws = [augmentation.draw_dense(task, generator) for _ in range(n)]
+    draws = [dense_augmentation.draw_dense(task, generator) for _ in range(n)]
 
     def share(values, p):
         assert abs(np.mean(values) - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-9, (task, np.mean(values), p)

@@ -24,7 +24,7 @@ from sapiens2 import processing
 import train
 from sapiens2 import weights
 from sapiens2 import Sapiens2, Sapiens2Config
-from sapiens2_app import (augmentation, dataset_files, datasets, dense_metrics, distributed, pixel_augmentation,
+from sapiens2_app import (dataset_files, datasets, dense_metrics, distributed, pixel_augmentation, pose_augmentation,
                           pose_metrics, starting_model, targets)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,14 +331,14 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
         assert torch.equal(sample["keypoints"], expected)
         peaks, _ = processing.decode_heatmaps(sample["labels"][None])
         scale = torch.tensor([95 / 23, 127 / 31])
-        in_photo = augmentation.apply_affine(sample["to_source"], peaks[0] * scale)
+        in_photo = pose_augmentation.apply_affine(sample["to_source"], peaks[0] * scale)
         inner = (peaks[0] >= 1).all(-1) & (peaks[0][:, 0] <= 22) & (peaks[0][:, 1] <= 30)  # DARK is biased at edges
         seen = (sample["label_weights"] > 0) & inner
         assert seen.sum() >= 4  # a half-body crop (the lower half: 6 keypoints) or a zoom may leave some out
         torch.testing.assert_close(in_photo[seen], expected[seen, :2], atol=0.3, rtol=0)
         pixels = sample["pixel_values"] * torch.tensor(processing.IMAGENET_STD).view(3, 1, 1) * 255
         pixels = pixels + torch.tensor(processing.IMAGENET_MEAN).view(3, 1, 1) * 255
-        draws = augmentation.draw_pose(torch.Generator().manual_seed(seed), (128, 96))  # the sample's first draws
+        draws = pose_augmentation.draw_pose(torch.Generator().manual_seed(seed), (128, 96))  # the sample's first draws
         if draws.blur or draws.median_blur:  # a one-pixel dot does not survive them
             continue
         white = torch.full((3, 1, 1), 255.0)
