@@ -53,9 +53,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sapiens2 import heads
-from sapiens2 import weights
-from sapiens2 import PRESETS, Sapiens2
+from sapiens2 import PRESETS, Sapiens2, heads, weights
 from sapiens2_app import safe_io
 from sapiens2_app.artefacts import TASKS
 from sapiens2_app.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sapiens2 import ACTIVATIONS, PRESETS, Sapiens2, Sapiens2Config
 from sapiens2.losses import albedo_loss, keypoint_mse_loss, matting_loss, normal_loss, pointmap_loss, seg_loss
 from sapiens2.processing import flip_heatmaps_back, flip_pairs
-from sapiens2 import ACTIVATIONS, PRESETS, Sapiens2, Sapiens2Config
 
 TASKS = ("seg", "pose", "normal", "pointmap", "matting", "albedo")  # seg first: predict.py's pose boxes and masks use it
 TRANSPOSED_CONV_TASKS = ("pose", "seg")

@@ -19,8 +19,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from sapiens2.heads import TASK_PRESETS
 from sapiens2 import PRESETS
+from sapiens2.heads import TASK_PRESETS
 
 INSTALL_HINT = "pip install huggingface_hub  (or: pip install 'sapiens2[hub]')"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

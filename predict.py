@@ -29,9 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from sapiens2 import heads
-from sapiens2 import processing
-from sapiens2 import PRESETS
+from sapiens2 import PRESETS, heads, processing
 from sapiens2_app import detector, formats, models, tracking, video
 from sapiens2_app.artefacts import ARTEFACTS, DEFAULT_KINDS, KINDS, TASKS
 from sapiens2_app.boxes import read_boxes_file, unmatched_boxes_warnings

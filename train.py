@@ -34,9 +34,7 @@ from pathlib import Path
 
 import torch
 
-from sapiens2 import heads
-from sapiens2 import processing
-from sapiens2 import PRESETS
+from sapiens2 import PRESETS, heads, processing
 from sapiens2_app import (dataset_files, datasets, distributed, optimization, pose_dataset, starting_model,
                           train_checkpoints)
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size

@@ -18,8 +18,7 @@ import threading
 
 import torch
 
-from sapiens2 import weights
-from sapiens2 import Sapiens2Config
+from sapiens2 import Sapiens2Config, weights
 
 PATCH_SIZE = Sapiens2Config.patch_size
 SIZE_RANGE = (32, 4096)  # --size sides, pixels: a 2x2 patch grid at least (the heads' norms need >1 cell); 4K at most

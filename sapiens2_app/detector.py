@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sapiens2 import hub
-from sapiens2 import processing
-from sapiens2 import weights
+from sapiens2 import hub, processing, weights
 from sapiens2_app.dfine import DFine, DFineConfig
 
 DEFAULT_DETECTOR = "ustc-community/dfine-small-coco"

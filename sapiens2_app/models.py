@@ -10,11 +10,9 @@ from pathlib import Path
 
 import torch
 
-from sapiens2 import heads
-from sapiens2 import hub
-from sapiens2 import weights
-from sapiens2.processing import keypoint_metadata
+from sapiens2 import heads, hub, weights
 from sapiens2 import PRESETS, Sapiens2
+from sapiens2.processing import keypoint_metadata
 from sapiens2_app import detector
 from sapiens2_app.artefacts import TASKS
 from sapiens2_app.cli import UsageError, one_line

@@ -11,8 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from sapiens2 import heads
-from sapiens2 import PRESETS
+from sapiens2 import PRESETS, heads
 from sapiens2_app.cli import UsageError
 
 

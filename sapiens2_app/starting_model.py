@@ -8,9 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from sapiens2 import heads
-from sapiens2 import weights
-from sapiens2 import Sapiens2
+from sapiens2 import Sapiens2, heads, weights
 from sapiens2_app import models
 from sapiens2_app.cli import UsageError
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from sapiens2 import heads
-from sapiens2 import weights
+from sapiens2 import heads, weights
 from sapiens2_app import safe_io
 from sapiens2_app.cli import UsageError, not_held
 from sapiens2_app.distributed import Distributed, fsdp2, unwrapped

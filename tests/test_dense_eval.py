@@ -16,8 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sapiens2 import heads
-from sapiens2 import losses
+from sapiens2 import heads, losses
 import train
 from sapiens2_app import dense_metrics, datasets
 

@@ -20,9 +20,7 @@ import torch
 from torch.onnx._internal.exporter import _onnx_program as onnx_program_module
 
 import export
-from sapiens2 import heads
-from sapiens2 import kernels
-from sapiens2 import weights
+from sapiens2 import heads, kernels, weights
 from conftest import rel_err
 from sapiens2 import Sapiens2, Sapiens2Config, rope_tables_bf16
 

@@ -17,10 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sapiens2 import heads
-from sapiens2 import losses
-from sapiens2 import processing
-from sapiens2 import weights
+from sapiens2 import heads, losses, processing, weights
 from conftest import rel_err
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

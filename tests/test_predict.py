@@ -14,12 +14,9 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from sapiens2 import heads
-from sapiens2 import hub
+from sapiens2 import heads, hub
 import predict
-from sapiens2 import processing
-from sapiens2 import weights
-from sapiens2 import Sapiens2, Sapiens2Config
+from sapiens2 import Sapiens2, Sapiens2Config, processing, weights
 from sapiens2_app import boxes, detector, inference, inputs, outputs
 from sapiens2_app.models import LoadedModel
 

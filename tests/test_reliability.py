@@ -25,8 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from sapiens2 import heads
 import predict
-from sapiens2 import processing
-from sapiens2 import weights
+from sapiens2 import processing, weights
 from sapiens2_app import inference, inputs, models, pipeline, safe_io
 from sapiens2_app.boxes import fit_boxes, read_boxes_file
 from test_predict import model_args, tiny_model, write_images

@@ -22,8 +22,7 @@ from sapiens2 import heads
 import predict
 from sapiens2 import processing
 import train
-from sapiens2 import weights
-from sapiens2 import Sapiens2, Sapiens2Config
+from sapiens2 import Sapiens2, Sapiens2Config, weights
 from sapiens2_app import (dataset_files, datasets, dense_metrics, distributed, pixel_augmentation, pose_augmentation,
                           pose_metrics, starting_model, targets)
 

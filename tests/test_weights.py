@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from sapiens2 import weights
 from conftest import rel_err
-from sapiens2.hub import hf_cache_dir
 from sapiens2 import Sapiens2, Sapiens2Config
+from sapiens2.hub import hf_cache_dir
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 transformers = pytest.importorskip("transformers")
