@@ -609,6 +609,7 @@ def test_staging_folder_moves_all_or_nothing(tmp_path, monkeypatch):
     ('{"a.jpg": [[0, 1e999, 10, 5]]}', "must be finite numbers"),
     ('{"a.jpg": [[0, 0, 10]]}', "must map to a list of [x, y, w, h] boxes"),
     ('{"a.jpg": [[0, true, 10, 4]]}', "must map to a list of [x, y, w, h] boxes"),
+    ("[" * 100_000, "cannot read it as JSON (maximum recursion depth exceeded"),  # a RecursionError, no ValueError
 ])
 def test_bad_boxes_are_refused(text, phrase, tmp_path):
     (tmp_path / "boxes.json").write_text(text)
