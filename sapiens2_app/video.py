@@ -49,7 +49,7 @@ def check_video_file(path: Path):
     try:
         with av.open(str(path)) as container:
             has_video = bool(container.streams.video)
-    except Exception as error:  # noqa: BLE001 (whatever FFmpeg raises on one file is its failure: processing.decoding)
+    except Exception as error:  # noqa: BLE001 (whatever FFmpeg raises, this file's failure; as processing.decoding)
         raise ValueError(f"{path}: cannot be read as a video ({type(error).__name__}: {error})") from None
     if not has_video:
         raise ValueError(f"{path}: no video stream in it")
@@ -89,8 +89,8 @@ def expected_frames(path: Path, selection: FrameSelection) -> int:
             stream = container.streams.video[0]
             frames = stream.frames or int(float(stream.duration * stream.time_base * stream_rate(stream))
                                           if stream.duration else 0)
-    except Exception:  # noqa: BLE001 (the count is for the progress bar only: a header FFmpeg cannot read, or that
-        return 0       # says nothing of use (no time base), does not stop this video or the others)
+    except Exception:  # noqa: BLE001 (the count is the progress bar's only: whatever reading the header raises
+        return 0       # costs the bar its total, not the run; the video's own reading reports what is wrong)
     return selection.count(frames)
 
 
