@@ -356,7 +356,7 @@ def unreadable_inputs(items: list[InputImage], world: int) -> dict[InputImage, E
     for item in items:
         try:
             (video.check_video_file if is_video(item.path) else processing.check_image_file)(item.path)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError) as error:  # whatever a decoder raises comes as one of these (processing.decoding)
             unreadable[item] = error
     if unreadable and len(unreadable) == len(items) and world == 1:
         reasons = [one_line(str(error)) for error in unreadable.values()]

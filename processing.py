@@ -31,6 +31,7 @@ Metadata (names, skeleton, colours, flip pairs, palette, class weights) is read 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 from dataclasses import dataclass
@@ -140,7 +141,10 @@ def load_image(image) -> torch.Tensor:
     Tensors keep their device.
     """
     if isinstance(image, (str, Path)):
-        return _pil_to_tensor(_open_image_file(Path(image)))
+        path = Path(image)
+        opened = _open_image_file(path)
+        with decoding(path):  # the conversions decode too (a palette, CMYK, a 16-bit mode)
+            return _pil_to_tensor(opened)
     if isinstance(image, Image.Image):
         return _pil_to_tensor(image)
     if isinstance(image, np.ndarray):
@@ -172,6 +176,65 @@ def check_image_file(path: Path):
         pass
 
 
+@contextlib.contextmanager
+def decoding(source: str | Path):
+    """Around the decoding of one user's file (`source` names it: a path, or a video frame): whatever the decoder
+    raises comes out as an ImageLoadError naming the file and what is wrong (image_load_error), so that every
+    caller catches that one class and one bad file cannot stop the others.
+
+    Exception, not BaseException: Ctrl-C, SystemExit and the like are the process's and pass through. A decoder is
+    a large body of C code fed bytes from anywhere, and what it raises on a crafted file is open-ended (Pillow's
+    plugins leak struct.error, IndexError, ZeroDivisionError; PyAV its own classes). MemoryError is taken too,
+    deliberately: raised here, it is the one large allocation this file's header asked for that was refused, freed
+    as the error unwinds, so the next file has the memory it had; a process that truly runs out of memory on Linux
+    meets the OOM killer's SIGKILL, not an exception."""
+    try:
+        yield
+    except ImageLoadError:
+        raise
+    except Exception as error:  # noqa: BLE001 (see above)
+        raise image_load_error(source, error) from error
+
+
+def image_load_error(source: str | Path, error: Exception) -> ImageLoadError:
+    """What a decoder raised on `source`, said for the user: which file, what is wrong with it."""
+    if isinstance(error, Image.DecompressionBombError):
+        size = _declared_size(Path(source)) if isinstance(source, Path) else None
+        declared = f"declares {size[0]}x{size[1]} pixels" if size else f"is too large ({error})"
+        return ImageLoadError(f"{source}: {declared}, over Pillow's limit of {2 * Image.MAX_IMAGE_PIXELS} pixels: "
+                              f"refused as a possible decompression bomb (downscale it to use it)")
+    if isinstance(error, UnidentifiedImageError):
+        return ImageLoadError(f"{source}: not an image (Pillow does not recognise the format)")
+    if isinstance(error, OSError) and error.errno:  # not "corrupt": the file may be fine, only not ours to read
+        return ImageLoadError(f"{source}: cannot read it ({error.strerror or error})")
+    if isinstance(error, (OSError, SyntaxError, EOFError, ValueError)):  # how Pillow says the data is broken
+        return ImageLoadError(f"{source}: truncated or corrupt image ({error})")
+    if isinstance(error, MemoryError):
+        return ImageLoadError(f"{source}: too large to decode in the memory left (MemoryError)")
+    return ImageLoadError(f"{source}: cannot decode it ({type(error).__name__}: {error})")
+
+
+def _declared_size(path: Path) -> tuple[int, int] | None:
+    """The (width, height) a file's header declares, for the message of a refused decompression bomb: Image.open
+    refuses it before it returns the image, so the header is read here by the Pillow plugin that accepts the file
+    (Image.register_open's registry, as Image.open tries them). None when none reads it."""
+    Image.init()
+    try:
+        with open(path, "rb") as file:
+            prefix = file.read(16)
+            for format_id in Image.ID:
+                factory, accept = Image.OPEN[format_id]
+                accepted = accept is None or accept(prefix)
+                if not accepted or isinstance(accepted, str):  # (a str: Pillow's warning, not an acceptance)
+                    continue
+                file.seek(0)
+                with contextlib.suppress(Exception):  # (as Image.open: a plugin that fails is not the file's)
+                    return factory(file, str(path)).size
+    except OSError:
+        pass
+    return None
+
+
 def _open_image_header(path: Path) -> Image.Image:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
@@ -179,23 +242,14 @@ def _open_image_header(path: Path) -> Image.Image:
         raise ImageLoadError(f"{path}: is a directory, not an image file")
     if path.stat().st_size == 0:
         raise ImageLoadError(f"{path}: the file is empty")
-    try:
+    with decoding(path):
         return Image.open(path)
-    except UnidentifiedImageError:
-        raise ImageLoadError(f"{path}: not an image (Pillow does not recognise the format)") from None
-    except PermissionError as error:  # not "corrupt": the file may be fine, only not ours to read
-        raise ImageLoadError(f"{path}: cannot read it ({error.strerror or error})") from None
-    except (OSError, SyntaxError, EOFError, ValueError) as error:
-        raise ImageLoadError(f"{path}: truncated or corrupt image ({error})") from None
 
 
 def _open_image_file(path: Path) -> Image.Image:
-    with _open_image_header(path) as image:
-        try:
-            image.load()  # decode now, so a truncated file fails here and not somewhere downstream
-            return ImageOps.exif_transpose(image)
-        except (OSError, SyntaxError, EOFError, ValueError) as error:
-            raise ImageLoadError(f"{path}: truncated or corrupt image ({error})") from None
+    with _open_image_header(path) as image, decoding(path):
+        image.load()  # decode now, so a truncated file fails here and not somewhere downstream
+        return ImageOps.exif_transpose(image)
 
 
 def _pil_to_tensor(image: Image.Image) -> torch.Tensor:

@@ -41,8 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sapiens2 import hub
-from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16
+from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, hub, rope_periods_bf16
 from sapiens2.heads import (OUT_CHANNELS, TASK_PRESETS, TASKS, TRANSPOSED_CONV_TASKS, HeadConfig, Sapiens2ForTask, build_task_model,
                    scale_branch_fits, scale_branch_grid, task_preset)
 

@@ -33,7 +33,8 @@ def read_boxes_file(path: str) -> dict[str, list[list[float]]]:
 
     try:
         boxes = json.loads(Path(path).read_text(), parse_constant=refuse_constant)
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 (whatever reading the user's file raises, a RecursionError of deep
+        # nesting too, is one line naming it; Exception, not BaseException, as in processing.decoding)
         raise UsageError(f"--boxes {path}: cannot read it as JSON ({error})") from None
     if not isinstance(boxes, dict):
         raise UsageError(f"--boxes {path}: expected an object {{\"image.jpg\": [[x, y, w, h], ...]}}")

@@ -68,34 +68,31 @@ def paired_files(folder: Path, kind: str, suffix: str, names, required: bool = T
 
 
 def header_size(path: Path) -> tuple[int, ...]:
-    """(H, W) of an image, or the shape of a .npy array, without reading the data."""
-    try:
-        if path.suffix == ".npy":
-            return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
-        with Image.open(path) as image:
+    """(H, W) of an image, or the shape of a .npy array, without reading the data. An image that cannot be read
+    is an ImageLoadError naming it (processing.decoding: whatever Pillow raises, a decompression bomb too)."""
+    if path.suffix != ".npy":
+        with processing.decoding(path), Image.open(path) as image:
             image = processing.ImageOps.exif_transpose(image) if path.parent.name == "images" else image
             return (image.height, image.width)
+    try:
+        return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
     except (OSError, ValueError) as error:
         raise UsageError(f"{path}: cannot read it ({error})") from None
 
 
 def read_png(path: Path, mode: str) -> np.ndarray:
-    try:
-        with Image.open(path) as image:
-            return np.array(image.convert(mode) if image.mode != mode else image)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"{path}: cannot read it as a PNG ({error})") from None
+    with processing.decoding(path), Image.open(path) as image:
+        return np.array(image.convert(mode) if image.mode != mode else image)
 
 
 def read_class_ids(path: Path) -> np.ndarray:
-    try:
-        with Image.open(path) as image:
-            if image.mode not in ("L", "P"):
-                raise UsageError(f"{path}: a {image.mode} image; masks are single-channel uint8 PNGs of class ids "
-                                 f"(mode L or P), 255 = ignore")
-            return np.array(image)
-    except OSError as error:
-        raise UsageError(f"{path}: cannot read it as a PNG ({error})") from None
+    with processing.decoding(path), Image.open(path) as image:
+        mode = image.mode
+        ids = np.array(image) if mode in ("L", "P") else None
+    if ids is None:
+        raise UsageError(f"{path}: a {mode} image; masks are single-channel uint8 PNGs of class ids (mode L or P), "
+                         f"255 = ignore")
+    return ids
 
 
 def read_npy(path: Path, image_size: tuple[int, int], what: str) -> np.ndarray:

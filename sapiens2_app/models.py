@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from sapiens2 import heads, hub, weights
-from sapiens2 import PRESETS, Sapiens2
+from sapiens2 import PRESETS, Sapiens2, heads, hub, weights
 from sapiens2.processing import keypoint_metadata
 from sapiens2_app import detector
 from sapiens2_app.artefacts import TASKS

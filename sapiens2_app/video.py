@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from sapiens2 import processing
 from sapiens2_app import formats, tracking
 from sapiens2_app.artefacts import overlay_suffix
 from sapiens2_app.boxes import frame_keys_past_the_end
@@ -47,10 +49,11 @@ def check_video_file(path: Path):
     av = require_av()
     try:
         with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ValueError(f"{path}: no video stream in it")
-    except (av.FFmpegError, OSError) as error:
-        raise ValueError(f"{path}: cannot be read as a video ({error})") from None
+            has_video = bool(container.streams.video)
+    except Exception as error:  # noqa: BLE001 (whatever FFmpeg raises, this file's failure; as processing.decoding)
+        raise ValueError(f"{path}: cannot be read as a video ({type(error).__name__}: {error})") from None
+    if not has_video:
+        raise ValueError(f"{path}: no video stream in it")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -87,25 +90,31 @@ def expected_frames(path: Path, selection: FrameSelection) -> int:
             stream = container.streams.video[0]
             frames = stream.frames or int(float(stream.duration * stream.time_base * stream_rate(stream))
                                           if stream.duration else 0)
-    except (av.FFmpegError, IndexError, OSError):
-        return 0
+    except Exception:  # noqa: BLE001 (the count is the progress bar's only: whatever reading the header raises
+        return 0       # costs the bar its total, not the run; the video's own reading reports what is wrong)
     return selection.count(frames)
 
 
 def decode(path: Path, selection: FrameSelection) -> Iterator[tuple[int, torch.Tensor | None]]:
     """(frame index, (3, H, W) uint8 RGB) of every frame, in order, one at a time; None for the pixels of a frame
     the selection skips (so the caller knows how far the video goes). Frames before --start are decoded and
-    dropped (exact indices, no keyframe seeking); decoding stops at --end."""
+    dropped (exact indices, no keyframe seeking); decoding stops at --end. Whatever the decoder raises is an
+    ImageLoadError naming the file and the frame (processing.decoding): the video is damaged there."""
     av = require_av()
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"  # frame-parallel decoding; frames still come out in order
-        for index, frame in enumerate(container.decode(stream)):
+        frames = container.decode(stream)
+        for index in itertools.count():
             if selection.past(index):
                 break
-            selected = selection.selects(index)
-            yield index, (torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous()
-                          if selected else None)
+            with processing.decoding(f"{path}: frame {index}"):
+                frame = next(frames, None)
+                if frame is None:
+                    break
+                pixels = (torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous()
+                          if selection.selects(index) else None)
+            yield index, pixels
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -262,7 +271,6 @@ class VideoRun:
     def run(self) -> dict:
         """Returns the video's summary for run.json; "error" when the file is damaged partway (the frames
         before the damage are written, overlays and tracks included)."""
-        av = require_av()
         expected = expected_frames(self.clip.path, self.settings.selection)  # what the progress bar counted
         pending, completed, damaged = [], False, None
         try:
@@ -280,7 +288,7 @@ class VideoRun:
                     pending.append((item, image))
                     if len(pending) == self.pipeline.inference.batch_size:
                         self.flush(pending)
-            except av.FFmpegError as error:
+            except processing.ImageLoadError as error:  # (decode's: the video is damaged at that frame)
                 damaged = error
             self.flush(pending)
             self.pipeline.drain()  # every frame's files and overlay frames written

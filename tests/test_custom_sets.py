@@ -11,8 +11,7 @@ from PIL import Image
 
 from sapiens2 import heads
 import predict
-from sapiens2 import processing, weights
-from sapiens2 import Sapiens2Config
+from sapiens2 import Sapiens2Config, processing, weights
 from sapiens2.processing import keypoint_metadata, segmentation_metadata
 from sapiens2_app import formats, inputs, outputs, pictures
 from sapiens2_app.models import LoadedModel

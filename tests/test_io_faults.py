@@ -269,6 +269,59 @@ def test_a_start_past_the_last_frame_is_a_warning(checkpoints, tmp_path, capsys)
     assert json.loads((out / "run.json").read_text())["videos"]["clip.mp4"]["frames_written"] == 0
 
 
+class DecoderBug(RuntimeError):
+    """What a decoder might raise on a crafted file: a class nobody lists."""
+
+
+class FailsAtFrame:
+    """A PyAV container whose decoding raises DecoderBug at frame `at`; the frames before come as they are."""
+
+    def __init__(self, container, at: int):
+        self.container, self.at = container, at
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.container.close()
+
+    def __getattr__(self, name):
+        return getattr(self.container, name)
+
+    def decode(self, *args, **kwargs):
+        for index, frame in enumerate(self.container.decode(*args, **kwargs)):
+            if index == self.at:
+                raise DecoderBug("corrupt macroblock 3,1")
+            yield frame
+
+
+@requires_av
+def test_whatever_the_decoder_raises_at_a_frame_ends_its_video_there(checkpoints, tmp_path, monkeypatch, capsys):
+    """Issue 29: a frame on which the decoder raises a class nobody lists is where the video is damaged, as when
+    FFmpeg says so (docs/videos.md): the frames before keep their files, its overlay video ends there, run.json
+    lists it as failed; the other video and the image are written. (It was an error out of the video's loop: the
+    overlay video dropped, the frames written missing from run.json.)"""
+    folder = write_images(tmp_path / "in", {"a.jpg": (20, 16)})
+    bad, good = (write_clip(folder / name, [(48, 32)] * 8) for name in ("bad.mp4", "good.mp4"))
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda file, *args, **kwargs: (
+        FailsAtFrame(real_open(file, *args, **kwargs), 3) if Path(file) == bad else real_open(file, *args, **kwargs)))
+    out = tmp_path / "out"
+    code = predict.main(["seg", str(folder), "-o", str(out), "--batch-size", "2", *model_args(checkpoints, ["seg"])])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert error_lines(err) == [f"error: ImageLoadError: {bad}: frame 3: cannot decode it (DecoderBug: corrupt "
+                                f"macroblock 3,1) (skipped)"], err
+    manifest = json.loads((out / "run.json").read_text())
+    assert [e["image"] for e in manifest["errors"]] == [str(bad)]
+    assert manifest["videos"]["bad.mp4"]["frames_written"] == 3 and "DecoderBug" in manifest["videos"]["bad.mp4"]["error"]
+    assert manifest["videos"]["good.mp4"]["frames_written"] == 8 and "error" not in manifest["videos"]["good.mp4"]
+    assert manifest["counts"]["written"] == 3 + 8 + 1 and manifest["counts"]["failed"] == 1
+    assert sorted(p.name for p in (out / "bad").glob("*.seg.png")) == [f"{i:06d}.seg.png" for i in range(3)]
+    assert frame_sizes(out / "bad.seg_overlay.mp4") == [(48, 32)] * 3
+    assert frame_sizes(out / "good.seg_overlay.mp4") == [(48, 32)] * 8 and (out / "a.seg.png").is_file()
+
+
 # A predict.py run whose overlay writer stops for good after its 44th frame of 48: kill -9 lands mid-video, with the
 # overlay video's temporary open (FFmpeg creates the file only once x264's lookahead, 40 frames, has passed).
 HANGING_PREDICT = r"""

@@ -15,12 +15,13 @@ command). Tolerances, and why:
 
 import io
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -647,6 +648,46 @@ def test_bad_files_name_the_file_and_reason(tmp_path, case, reason):
     with pytest.raises(P.ImageLoadError, match=reason) as error:
         P.preprocess([str(path)], size=(32, 32))
     assert str(path) in str(error.value)
+
+
+class DecoderBug(RuntimeError):
+    """What a decoder might raise on a crafted file: a class nobody lists."""
+
+
+@pytest.mark.parametrize("raised, reason", [
+    (DecoderBug("bad Huffman table"), "cannot decode it (DecoderBug: bad Huffman table)"),
+    (struct.error("unpack requires a buffer of 4 bytes"), "cannot decode it (error: unpack requires a buffer of 4"),
+    (ZeroDivisionError("division by zero"), "cannot decode it (ZeroDivisionError: division by zero)"),
+    (MemoryError(), "too large to decode in the memory left (MemoryError)"),  # this file's allocation, refused
+    (OSError("image file is truncated (3 bytes not processed)"), "truncated or corrupt image (image file is trunc"),
+    (PermissionError(13, "Permission denied"), "cannot read it (Permission denied)"),
+])
+def test_whatever_the_decoder_raises_is_an_image_load_error(raised, reason, tmp_path, monkeypatch):
+    """processing.decoding: one file's decoder failure, of any Exception class, is an ImageLoadError naming it (so
+    that the one class callers catch covers it); Ctrl-C and SystemExit are not a file's and pass (next test)."""
+    path = tmp_path / "photo.png"
+    Image.fromarray(np.zeros((4, 6, 3), np.uint8)).save(path)
+
+    def load(image):
+        raise raised
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    with pytest.raises(P.ImageLoadError) as error:
+        P.load_image(path)
+    assert str(error.value).startswith(f"{path}: {reason}"), error.value
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_interrupts_pass_through_the_decoding(raised, tmp_path, monkeypatch):
+    path = tmp_path / "photo.png"
+    Image.fromarray(np.zeros((4, 6, 3), np.uint8)).save(path)
+
+    def load(image):
+        raise raised()
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    with pytest.raises(raised):
+        P.load_image(path)
 
 
 def test_missing_file_and_bad_arrays():

@@ -10,16 +10,18 @@ import multiprocessing
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -241,6 +243,96 @@ def test_unreadable_inputs_among_good_ones_are_skipped_before_the_models_load(ch
     assert manifest["counts"] == {"images": 5, "written": 2, "failed": 3, "skipped_existing": 0, "not_attempted": 0}
     assert sorted(Path(e["image"]).name for e in manifest["errors"]) == bad
     assert sorted(p.name for p in out.glob("*.seg.png")) == ["a.seg.png", "b.seg.png"]
+
+
+def bomb_png(path: Path, width: int = 30000, height: int = 30000) -> Path:
+    """A 69-byte PNG whose header declares width x height RGB pixels (2.7 GB for 30000x30000): a decompression bomb,
+    refused by Pillow when it opens it (over 2 * Image.MAX_IMAGE_PIXELS)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, RGB, no interlace
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+BOMB_LINE = ("declares 30000x30000 pixels, over Pillow's limit of 178956970 pixels: refused as a possible "
+             "decompression bomb (downscale it to use it)")
+GOOD = {f"g{i}.jpg": (20 + i, 16) for i in range(5)}
+
+
+def assert_only_failed(out: Path, folder: Path, err: str, bad: str, phrase: str):
+    """`bad` has its one error line (naming it, with `phrase`) and its failed entry in run.json; every other input
+    (GOOD) has all of its files."""
+    assert "Traceback" not in err, err
+    (line,) = error_lines(err)
+    assert line.startswith(f"error: ImageLoadError: {folder / bad}: ") and phrase in line and line.endswith(
+        "(skipped)"), line
+    manifest = strict_json(out / "run.json")
+    assert manifest["counts"] == {"images": 6, "written": 5, "failed": 1, "skipped_existing": 0, "not_attempted": 0}
+    assert [(Path(e["image"]).name, "task" in e) for e in manifest["errors"]] == [(bad, False)]
+    assert phrase in manifest["errors"][0]["error"]
+    for name, (h, w) in GOOD.items():
+        with Image.open(out / name.replace(".jpg", ".seg.png")) as seg:
+            assert seg.size == (w, h)
+        assert (out / name.replace(".jpg", ".seg_overlay.jpg")).is_file()
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [n.replace(".jpg", s) for n in GOOD for s in (".seg.png", ".seg_overlay.jpg")] + ["run.json"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_decompression_bomb_among_good_images_fails_alone(workers, checkpoints, tmp_path, capsys):
+    """Issue 29: a PNG declaring 30000x30000 pixels among good images. Pillow's DecompressionBombError is neither
+    an OSError nor a ValueError: the check of the inputs before loading stopped the whole run with a traceback."""
+    folder = write_images(tmp_path / "in", GOOD)
+    bomb_png(folder / "bomb.png")
+    out = tmp_path / "out"
+    code = predict.main(["seg", str(folder), "-o", str(out), "--workers", str(workers),
+                         *model_args(checkpoints, ["seg"])])
+    assert code == 1  # some images failed, one process (predict.py's exit statuses)
+    assert_only_failed(out, folder, capsys.readouterr().err, "bomb.png", BOMB_LINE)
+
+
+class DecoderBug(RuntimeError):
+    """What a decoder might raise on a crafted file: a class nobody lists."""
+
+
+def raise_decoder_bug_for(monkeypatch, bad: Path, where: str):
+    """Pillow raises DecoderBug for `bad`: when opening it (its header: the check before the models load), or when
+    decoding its pixels (the runner's decode; the header reads fine)."""
+    if where == "open":
+        real_open = processing.Image.open
+
+        def fake_open(target, *args, **kwargs):
+            if Path(target) == bad:
+                raise DecoderBug("unexpected marker 0xff at byte 33")
+            return real_open(target, *args, **kwargs)
+
+        monkeypatch.setattr(processing.Image, "open", fake_open)
+        return
+    real_load = ImageFile.ImageFile.load
+
+    def fake_load(image):
+        if image.filename and Path(image.filename) == bad:
+            raise DecoderBug("unexpected marker 0xff at byte 33")
+        return real_load(image)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", fake_load)
+
+
+@pytest.mark.parametrize("where", ["open", "load"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_whatever_a_decoder_raises_fails_its_image_alone(where, workers, checkpoints, tmp_path, monkeypatch, capsys):
+    folder = write_images(tmp_path / "in", {**GOOD, "odd.png": (20, 16)})
+    raise_decoder_bug_for(monkeypatch, folder / "odd.png", where)
+    out = tmp_path / "out"
+    code = predict.main(["seg", str(folder), "-o", str(out), "--workers", str(workers),
+                         *model_args(checkpoints, ["seg"])])
+    assert code == 1
+    assert_only_failed(out, folder, capsys.readouterr().err, "odd.png",
+                       "cannot decode it (DecoderBug: unexpected marker 0xff at byte 33)")
 
 
 def test_an_unreadable_list_file_is_one_line(tmp_path, monkeypatch, capsys, no_model_loads):
@@ -516,6 +608,7 @@ def test_staging_folder_moves_all_or_nothing(tmp_path, monkeypatch):
     ('{"a.jpg": [[0, 1e999, 10, 5]]}', "must be finite numbers"),
     ('{"a.jpg": [[0, 0, 10]]}', "must map to a list of [x, y, w, h] boxes"),
     ('{"a.jpg": [[0, true, 10, 4]]}', "must map to a list of [x, y, w, h] boxes"),
+    ("[" * 100_000, "cannot read it as JSON (maximum recursion depth exceeded"),  # a RecursionError, no ValueError
 ])
 def test_bad_boxes_are_refused(text, phrase, tmp_path):
     (tmp_path / "boxes.json").write_text(text)

@@ -28,8 +28,8 @@ from sapiens2 import weights
 from sapiens2_app import data_loading, starting_model, train_checkpoints
 from sapiens2_app.distributed import Distributed
 from sapiens2_app.train_checkpoints import TrainingStopped
-from test_reliability import error_lines, faulty_writer, strict_json
-from test_train import HEADS, make_dataset, save_png, tiny_backbone
+from test_reliability import BOMB_LINE, bomb_png, error_lines, faulty_writer, strict_json
+from test_train import HEADS, make_dataset, run_train, save_png, tiny_backbone
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -137,6 +137,20 @@ def test_a_bad_training_file_found_at_step_2_keeps_steps_0_and_1(backbone, tmp_p
     assert error_lines(err) == [f"error: {bad}: class id 7 but classes.json lists 3 classes (ids 0..2, 255 = ignore)"]
     assert "saved the checkpoint of step 2; fix the file below, then --resume goes on" in err
     assert checkpoint_step(out) == 2
+
+
+@pytest.mark.parametrize("task, image", [("seg", "train/images/im1.png"), ("pose", "train/images/p1.png")])
+def test_a_decompression_bomb_in_the_training_set_is_one_line(task, image, backbone, tmp_path, capsys):
+    """Issue 29: an image whose header declares 30000x30000 pixels, found as an unreadable image is: one line, exit 2.
+    seg reads every image's header before training (its targets must have its size); pose takes the sizes from
+    annotations.json and meets the bomb when its sample is read, in the first step. Both were tracebacks (Pillow's
+    DecompressionBombError is neither an OSError nor a ValueError)."""
+    data = make_dataset(task, tmp_path / "data", count=4)
+    bomb = bomb_png(data / image)
+    code = run_train(task, data, tmp_path / "run", backbone, "--steps", 1)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert error_lines(err) == [f"error: {bomb}: {BOMB_LINE}"], err
 
 
 # ----------------------------------------------------------------------------------------------------
