@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import sapiens2
 from sapiens2 import kernels
@@ -111,6 +112,7 @@ def hf_kernels_files(env: Venv) -> dict[str, str]:
 # back, run it, then ask HF's kernels package for get_kernel.
 INSTALLED_SESSION = f"""
 import json, sys, torch
+from safetensors.torch import save_file
 torch.set_num_threads(1)
 import sapiens2
 from sapiens2 import weights, heads, processing, kernels as our_kernels, losses, hub
@@ -120,7 +122,7 @@ weights.save(model, sys.argv[1] + '/seg.safetensors')
 loaded = weights.load(sys.argv[1] + '/seg.safetensors').eval()
 x = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(1))
 with torch.no_grad():
-    torch.save(loaded(x).logits, sys.argv[1] + '/logits.pt')
+    save_file({{'logits': loaded(x).logits}}, sys.argv[1] + '/logits.safetensors')
 from kernels import get_kernel
 import kernels
 print(json.dumps({{'hf_kernels': kernels.__file__, 'ours': our_kernels.__file__, 'sapiens2': sapiens2.__file__,
@@ -171,7 +173,7 @@ def test_wheel_installs_one_namespace_beside_transformers_and_hf_kernels(fresh, 
     assert facts["get_kernel"] and facts["bare_names"] == [] and facts["version"] == sapiens2.__version__
     # Same code, same machine, one thread each: the only difference allowed is none, up to fp32 rounding of
     # a matmul that a library may block differently per process (a few ulp of values of order 1).
-    ours, installed_logits = checkout_logits(work), torch.load(work / "logits.pt")
+    ours, installed_logits = checkout_logits(work), load_file(work / "logits.safetensors")["logits"]
     assert ours.shape == installed_logits.shape and ours.shape[:2] == (1, 4)
     assert (ours - installed_logits).abs().max() <= 8 * torch.finfo(torch.float32).eps * ours.abs().max()
 
@@ -294,8 +296,9 @@ def test_sapiens2_py_copied_alone_runs_equal_to_the_checkout(tmp_path):
               "print(json.dumps({'plain': sapiens2.kernels is sapiens2.PlainKernels, 'shape': list(out.tokens.shape),"
               " 'modules': sorted(m for m in sys.modules if m.split('.')[0] in ('weights', 'heads', 'processing', "
               "'kernels', 'PIL', 'sapiens2_app', 'transformers'))}))")
-    done = run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, ''); exec(sys.argv[1])", script],
-               cwd=alone)
+    (alone / "run_alone.py").write_text(script)
+    # -E -s: no PYTHONPATH, no user site; the script's folder (this one) is the only source of sapiens2
+    done = run([sys.executable, "-E", "-s", "run_alone.py"], cwd=alone)
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts["plain"] and facts["modules"] == [] and facts["shape"][1] == 1 + 8 + 12
 
@@ -304,7 +307,6 @@ def test_sapiens2_py_copied_alone_runs_equal_to_the_checkout(tmp_path):
     copy = import_copy(alone, "sapiens2_copied_alone")
     try:
         assert copy.kernels is copy.PlainKernels
-        from safetensors.torch import load_file
         theirs = copy.Sapiens2(copy.Sapiens2Config(**TINY_CONFIG)).eval()
         ours = sapiens2.Sapiens2(sapiens2.Sapiens2Config(**TINY_CONFIG)).eval()
         state = load_file(alone / "model.safetensors")
