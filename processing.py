@@ -742,11 +742,11 @@ def decode_heatmaps(heatmaps: torch.Tensor, blur_kernel_size: int = DARK_BLUR_KE
     computed alone (11x11 taps each) and the whole map is blurred only where a clamp may act (`_needs_whole_map`):
     the same step, 15 instead of 290 ms per person (308 maps of 256x192) on 2 CPU cores.
 
-    The nine blurred values, their logs and the step are computed in float64 (308 x 9 sums per person: no
-    measurable cost). The step is ill-conditioned where the Hessian is near singular (flat maps, as a random
-    model's): there the fp32 rounding of the blur's sums moves keypoints by 1e-2 px and more, as in transformers'
-    fp32 decode (a float64 step from fp32 sums is barely better). So the keypoints are a float64 decode's, rounded
-    to fp32 (`tests/test_processing.py`).
+    The nine blurred values, their logs and the step are computed in float64 (308 x 9 sums per person, as two
+    small matmuls: as fast as the fp32 sums were). The step is ill-conditioned where the Hessian is near
+    singular (flat maps, as a random model's): there the fp32 rounding of the blur's sums moves keypoints by
+    1e-2 px and more, as in transformers' fp32 decode (a float64 step from fp32 sums is no better). So the
+    keypoints are a float64 decode's, rounded to fp32 (`tests/test_processing.py`).
     """
     heatmaps = heatmaps.float()
     num_people, num_keypoints, height, width = heatmaps.shape

@@ -348,11 +348,12 @@ def _transformers_dark_decode(heatmaps: torch.Tensor) -> torch.Tensor:
 def test_decode_keypoints_are_a_float64_decode_rounded_to_fp32(maps):
     """DARK's Newton step is ill-conditioned where the Hessian is near singular (flat maps, as a random model's):
     computed from fp32 log-values (transformers' fp32 decode) it is off by up to 1.5 px on the flat maps here
-    (steps of up to 164 px), and by 1e-5 px on the peaked ones. Ours sums the nine blurred values and takes the step in float64, so each
-    coordinate is transformers' decode run in float64 rounded to fp32: bound one fp32 ulp of the coordinate (2^-23
-    |x|, and 2^-23 under 1 px), half of it the final rounding, half a margin for float64's own rounding (ours sums
-    in another order, which the Hessian's condition amplifies: measured 3.4e-11 relative here, far below 2^-24).
-    Measured <= 0.49 of the bound on both sets; transformers' fp32 decode 22x (peaked) and 1.2e5x (flat) it."""
+    (steps of up to 164 px), and by 1e-5 px on the peaked ones. Ours sums the nine blurred values and takes the
+    step in float64, so each coordinate is transformers' decode run in float64, rounded to fp32. Bound: one fp32
+    ulp of the coordinate (2^-23 |x|, and 2^-23 under 1 px), half of it the final rounding, half a margin for
+    float64's own rounding (ours sums in another order, which the Hessian's condition amplifies: measured 3.4e-11
+    relative here, far below 2^-24). Measured <= 0.49 of the bound on both sets; transformers' fp32 decode 22x
+    (peaked) and 1.2e5x (flat) it."""
     heatmaps = maps(torch.Generator().manual_seed(3))
     valid = heatmaps.flatten(2).amax(-1) > 0
     assert _blurred_whole(heatmaps).sum() >= 20  # the whole-map path is measured too
