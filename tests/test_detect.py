@@ -12,6 +12,7 @@ Tolerances, and why:
   CPU resizes uint8 on a different kernel path than the machine that made the fixture (see test_processing).
 """
 
+import ast
 import copy
 import json
 import os
@@ -232,6 +233,29 @@ def test_bf16_drift_is_within_transformers_own(saved, case):
         ours_drift, hf_drift = drift["ours", part], drift["hf", part]
         print(f"{case} {part}: bf16 drift ours {ours_drift:.2e}, transformers {hf_drift:.2e}")
         assert ours_drift <= 2 * hf_drift + BF16_ROUNDOFF, f"{part}: {ours_drift:.3g} vs transformers {hf_drift:.3g}"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file names in an import statement, TYPE_CHECKING blocks included (a cycle there is one too)."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from sapiens2_app import dfine`
+    return names
+
+
+def test_the_dfine_modules_import_one_way():
+    """config <- backbone <- model <- detector: no module imports one further along the chain."""
+    chain = ["dfine_config", "dfine_backbone", "dfine", "detector"]
+    folder = Path(detector.__file__).parent
+    for i, name in enumerate(chain):
+        later = {f"sapiens2_app.{other}" for other in chain[i + 1:]}
+        found = imported_modules(folder / f"{name}.py") & later
+        assert not found, f"sapiens2_app/{name}.py imports {sorted(found)}"
 
 
 # ----------------------------------------------------------------------------------------------------
