@@ -191,6 +191,7 @@ class Decoder(nn.Module):
         boxes (B, Q, 4) normalized cxcywh."""
         # NOTE: the box arithmetic (references, distributions, edges) runs in float32 whatever the model's dtype:
         # bf16 keeps 8 bits of mantissa, 2.5 px at 640, and every layer would add its rounding to the boxes.
+        # (What else runs in float32, and the bf16 drift beside transformers': docs/detector.md, In bf16.)
         reg_scale = self.reg_scale.float()
         project = weighting_function(self.bins, self.up.float(), reg_scale)  # (bins + 1,)
         reference = reference_logits.float().sigmoid()
