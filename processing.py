@@ -399,9 +399,10 @@ def _area_weights(in_size: int, out_size: int, device) -> torch.Tensor:
     return (overlap / scale).float()
 
 
-def gaussian_kernel1d(kernel_size: int, sigma: float, device=None) -> torch.Tensor:
-    """Normalised 1-D Gaussian taps at integer offsets (torchvision's and cv2's kernel for an explicit sigma)."""
-    offsets = torch.arange(kernel_size, dtype=torch.float32, device=device) - (kernel_size - 1) / 2
+def gaussian_kernel1d(kernel_size: int, sigma: float, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Normalised 1-D Gaussian taps at integer offsets (torchvision's and cv2's kernel for an explicit sigma),
+    computed in `dtype`."""
+    offsets = torch.arange(kernel_size, dtype=dtype, device=device) - (kernel_size - 1) / 2
     taps = torch.exp(-0.5 * (offsets / sigma) ** 2)
     return taps / taps.sum()
 
@@ -415,7 +416,8 @@ def gaussian_blur(maps: torch.Tensor, kernel_size: int, sigma: float, padding: s
     if kernel_size % 2 == 0 or kernel_size <= 1:
         raise ValueError(f"Gaussian kernel size must be odd and > 1, got {kernel_size}")
     channels, half = maps.shape[1], kernel_size // 2
-    taps = gaussian_kernel1d(kernel_size, sigma, maps.device).to(maps.dtype)
+    taps = gaussian_kernel1d(kernel_size, sigma, maps.device, torch.promote_types(maps.dtype, torch.float32))
+    taps = taps.to(maps.dtype)  # computed in float64 for float64 maps, else in fp32
     pad_mode = "constant" if padding == "zeros" else padding
     out = F.pad(maps, (half, half, half, half), mode=pad_mode)
     out = F.conv2d(out, taps.view(1, 1, 1, -1).expand(channels, 1, 1, -1), groups=channels)  # along W
@@ -774,31 +776,34 @@ def decode_heatmaps(heatmaps: torch.Tensor, blur_kernel_size: int = DARK_BLUR_KE
     Argmax (score = unblurred maximum; location -1 when the score is <= 0, left unrefined), then DARK-UDP
     sub-pixel refinement: blur each map with a Gaussian (zeros outside, sigma from the kernel size as cv2 does),
     rescale to the original maximum, clamp to [1e-3, 50], log, and take one Newton step
-    `x -= H^-1 g` with finite differences at the argmax. All people and keypoints at once.
+    `x -= (H + eps I)^-1 g` with finite differences at the argmax. All people and keypoints at once.
 
     The step only reads the 3x3 log-values around the argmax, and where none of them is clamped the rescale is
     a constant added to all nine, which the finite differences cancel. So each map's nine blurred values are
     computed alone (11x11 taps each) and the whole map is blurred only where a clamp may act (`_needs_whole_map`):
     the same step, 15 instead of 290 ms per person (308 maps of 256x192) on 2 CPU cores.
+
+    The nine blurred values, their logs and the step are computed in float64 (308 x 9 sums per person, as two
+    small matmuls: as fast as the fp32 sums were). The step is ill-conditioned where the Hessian is near
+    singular (flat maps, as a random model's): there the fp32 rounding of the blur's sums moves keypoints by
+    1e-2 px and more, as in transformers' fp32 decode (a float64 step from fp32 sums is no better). So the
+    keypoints are a float64 decode's, rounded to fp32 (`tests/test_processing.py`).
     """
     heatmaps = heatmaps.float()
     num_people, num_keypoints, height, width = heatmaps.shape
     flat = heatmaps.reshape(num_people, num_keypoints, -1)
     scores, index = flat.amax(dim=-1), flat.argmax(dim=-1)
-    locations = torch.stack([index % width, index // width], dim=-1).float()  # (N, K, 2)
+    locations = torch.stack([index % width, index // width], dim=-1)  # (N, K, 2)
     valid = scores > 0
-    neighbours = _peak_neighbourhoods(locations.long(), height, width)
-    sigma = _dark_sigma(blur_kernel_size)
-    blurred = _blurred_at(heatmaps, neighbours, blur_kernel_size, sigma)  # (N, K, 3, 3)
+    neighbours = _peak_neighbourhoods(locations, height, width)
+    blurred = _blurred_at(heatmaps, neighbours, blur_kernel_size)  # (N, K, 3, 3) float64
     log_values = blurred.clamp_min(torch.finfo(blurred.dtype).tiny).log()
     whole = _needs_whole_map(blurred, scores) & valid  # an invalid map's step is not used
     if whole.any():
-        maps = heatmaps[whole][None]  # (1, M, H, W): blurred with the rescale and clamps, as the original
-        log_maps = _blurred_log_heatmaps(maps, blur_kernel_size)[0].flatten(1)
-        log_values[whole] = log_maps.gather(1, neighbours.flatten(2)[whole]).view(-1, 3, 3)
+        log_values[whole] = _clamped_log_values(heatmaps[whole], blurred[whole], blur_kernel_size)
     offset = _newton_offset(log_values)
-    refined = torch.where(valid[..., None], locations - offset, torch.full_like(locations, -1.0))
-    return refined, scores
+    refined = torch.where(valid[..., None], locations - offset, -1.0)
+    return refined.float(), scores
 
 
 def _dark_sigma(kernel_size: int) -> float:
@@ -814,19 +819,19 @@ def _peak_neighbourhoods(locations: torch.Tensor, height: int, width: int) -> to
     return y.clamp(0, height - 1) * width + x.clamp(0, width - 1)
 
 
-def _blurred_at(heatmaps: torch.Tensor, pixels: torch.Tensor, kernel_size: int, sigma: float) -> torch.Tensor:
-    """`gaussian_blur(heatmaps, padding="zeros")` at the flat indices `pixels` `(N, K, ...)` only: each value
-    the weighted sum of the kernel_size^2 pixels around it (zero outside the map)."""
+def _blurred_at(heatmaps: torch.Tensor, pixels: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """DARK's blur (`gaussian_blur(heatmaps, padding="zeros")`) at the flat indices `pixels` `(N, K, ...)` only,
+    in float64: each value the weighted sum of the kernel_size^2 pixels around it (zero outside the map)."""
     num_people, num_keypoints, height, width = heatmaps.shape
     half = kernel_size // 2
-    taps = gaussian_kernel1d(kernel_size, sigma, heatmaps.device)
+    taps = gaussian_kernel1d(kernel_size, _dark_sigma(kernel_size), heatmaps.device, torch.float64)
     step = torch.arange(-half, half + 1, device=heatmaps.device)
     y = (pixels // width)[..., None, None] + step.view(-1, 1)  # (..., k, k)
     x = (pixels % width)[..., None, None] + step.view(1, -1)
     inside = (y >= 0) & (y < height) & (x >= 0) & (x < width)
     index = (y.clamp(0, height - 1) * width + x.clamp(0, width - 1)).flatten(2)
-    values = heatmaps.flatten(2).gather(2, index).view(inside.shape) * inside
-    return (values * (taps[:, None] * taps[None, :])).sum(dim=(-2, -1))
+    values = torch.where(inside, heatmaps.flatten(2).gather(2, index).view(inside.shape), 0.0).double()
+    return (values @ taps) @ taps  # along x, then y
 
 
 def _needs_whole_map(blurred: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
@@ -834,11 +839,31 @@ def _needs_whole_map(blurred: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
 
     The rescale factor is peak / (the blurred map's maximum) >= 1 (positive taps summing to 1 never exceed the
     peak), and every rescaled value stays <= peak. So with peak <= 50 and the nine blurred values >= 1e-3 no clamp
-    acts on them. The margins (1e-3 of the bound) cover fp32 rounding of the sums."""
+    acts on them. The margins (1e-3 of the bound) are far wider than any rounding of the sums."""
     return (peak > 50.0 * (1 - 1e-3)) | (blurred.flatten(-2).amin(dim=-1) < 1e-3 * (1 + 1e-3))
 
 
+def _clamped_log_values(maps: torch.Tensor, blurred: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """The rescaled, clamped log-values `(M, 3, 3)` of `maps` `(M, H, W)` around their peaks, from their nine
+    float64 blurred values `blurred` `(M, 3, 3)`.
+
+    The rescale needs each blurred map's maximum. An fp32 blur of the whole map finds where it lies (a float64
+    one costs 5-8x more on a CPU) and its value is summed again in float64 at the fp32 blur's 16 largest pixels:
+    the float64 maximum is among them unless 16 pixels lie within the fp32 blur's rounding of it, and then the
+    rescale is still as exact as an fp32 one."""
+    blurred_maps = gaussian_blur(maps[None], kernel_size, _dark_sigma(kernel_size), padding="zeros").flatten(2)
+    candidates = blurred_maps.topk(min(16, blurred_maps.shape[-1]), dim=-1).indices  # (1, M, 16)
+    blurred_max = torch.maximum(_blurred_at(maps[None], candidates, kernel_size)[0].amax(dim=-1),
+                                blurred.flatten(1).amax(dim=1))  # the nine are blurred values too
+    peak = maps.flatten(1).amax(dim=1).double()
+    # Keep the original peak height (the clamp depends on it); leave all-non-positive maps alone (HF guard).
+    rescale = torch.where(blurred_max > 0, peak / torch.where(blurred_max > 0, blurred_max, 1.0), 1.0)
+    return (blurred * rescale[:, None, None]).clamp(1e-3, 50.0).log()
+
+
 def _blurred_log_heatmaps(heatmaps: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """DARK's log-heatmaps, every map blurred whole (in the maps' dtype), rescaled, clamped: the definition the
+    nine-pixel path of `decode_heatmaps` follows."""
     blurred = gaussian_blur(heatmaps, kernel_size, _dark_sigma(kernel_size), padding="zeros")
     original_max = heatmaps.amax(dim=(2, 3), keepdim=True)
     blurred_max = blurred.amax(dim=(2, 3), keepdim=True)
@@ -847,8 +872,12 @@ def _blurred_log_heatmaps(heatmaps: torch.Tensor, kernel_size: int) -> torch.Ten
     return (blurred * rescale).clamp(1e-3, 50.0).log()
 
 
+DARK_EPS = float(torch.finfo(torch.float32).eps)  # the original's `inv(H + eps I)` adds float32's eps, at any dtype
+
+
 def _newton_offset(log_values: torch.Tensor) -> torch.Tensor:
-    """One Newton step from the log-heatmap's 3x3 values `(N, K, 3, 3)` around each peak -> offset `(N, K, 2)`."""
+    """One Newton step from the log-heatmap's 3x3 values `(N, K, 3, 3)` around each peak -> offset `(N, K, 2)`,
+    in the values' dtype."""
     def value(dx: int, dy: int) -> torch.Tensor:  # log-heatmap at (x + dx, y + dy), shape (N, K)
         return log_values[..., dy + 1, dx + 1]
 
@@ -858,8 +887,7 @@ def _newton_offset(log_values: torch.Tensor) -> torch.Tensor:
     hess_xx = right - 2 * center + left
     hess_yy = down - 2 * center + up
     hess_xy = 0.5 * (value(1, 1) - right - down + center + center - left - up + value(-1, -1))
-    eps = torch.finfo(log_values.dtype).eps  # regularises flat maps, as `H + eps I` in the original
-    hess_xx, hess_yy = hess_xx + eps, hess_yy + eps
+    hess_xx, hess_yy = hess_xx + DARK_EPS, hess_yy + DARK_EPS  # regularises flat maps
     determinant = hess_xx * hess_yy - hess_xy * hess_xy
     offset_x = (hess_yy * grad_x - hess_xy * grad_y) / determinant
     offset_y = (-hess_xy * grad_x + hess_xx * grad_y) / determinant

@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))  # after the root, so bench/kernels.py cannot shadow kernels/
 
 from sapiens2_app import detector  # noqa: E402
-from sapiens2_app.dfine import DFine, DFineConfig  # noqa: E402
+from sapiens2_app.dfine import DFine  # noqa: E402
 from sapiens2_app.dfine_backbone import SelfAttention  # noqa: E402
+from sapiens2_app.dfine_config import DFineConfig  # noqa: E402
 from e2e_measure import device_name, device_slug, time_calls  # noqa: E402
 from e2e_models import DTYPES, build_ours, count_flops  # noqa: E402
 from sapiens2_app import safe_io  # noqa: E402

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from sapiens2 import hub, processing, weights
-from sapiens2_app.dfine import DFine, DFineConfig
+from sapiens2_app.dfine import DFine
+from sapiens2_app.dfine_config import DFineConfig
 
 DEFAULT_DETECTOR = "ustc-community/dfine-small-coco"
 # Short names of the released COCO checkpoints (https://huggingface.co/ustc-community).
@@ -232,7 +233,7 @@ def load(source=DEFAULT_DETECTOR, dtype=torch.float32, device="cpu", threshold: 
         state, name)
     unknown = sorted(set(overrides) - {f.name for f in fields(DFineConfig)})
     if unknown:
-        raise ValueError(f"unknown D-FINE config fields {unknown}; see sapiens2_app.dfine.DFineConfig")
+        raise ValueError(f"unknown D-FINE config fields {unknown}; see sapiens2_app.dfine_config.DFineConfig")
     cfg = DFineConfig(**{**values, **overrides})
     label = person_label if person_label is not None else person_label_of(cfg, name)
     with torch.device("meta"):

@@ -12,14 +12,11 @@ Architecture (D-FINE, Peng et al. 2024, Apache-2.0; module names follow the chec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # for the annotations only: the config lives beside the model, and dfine.py imports this module
-    from sapiens2_app.dfine import DFineConfig
+from sapiens2_app.dfine_config import DFineConfig
 
 
 # ----------------------------------------------------------------------------------------------------

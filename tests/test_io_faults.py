@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 import export
 import predict
 from sapiens2 import weights
-from sapiens2_app import dfine, safe_io
+from sapiens2_app import dfine, dfine_config, safe_io
 from sapiens2_app.cli import StopSignals
 from test_export import tiny_model as tiny_export_model
 from test_predict import model_args, tiny_model, write_images
@@ -369,7 +369,7 @@ def test_skip_existing_after_kill_9_removes_the_overlay_temporaries_at_once(chec
 # The person detector
 # ----------------------------------------------------------------------------------------------------
 # tests/test_detect.py's "nano" shape (two levels), in this port's own names: no transformers to import
-TINY_DFINE = dfine.DFineConfig(
+TINY_DFINE = dfine_config.DFineConfig(
     stem_channels=[3, 8, 8], stage_in_channels=[8, 16, 32, 48], stage_mid_channels=[8, 8, 16, 16],
     stage_out_channels=[16, 32, 48, 64], stage_num_blocks=[1, 1, 2, 1], stage_numb_of_layers=[2, 2, 2, 2],
     out_indices=[3, 4], decoder_in_channels=[32, 32], num_feature_levels=2, encode_proj_layers=[1],
