@@ -54,6 +54,13 @@ def test_wheel_installs_the_data_files(installed, tmp_path):
     assert counts == "308 29 4"
 
 
+def test_wheel_installs_the_served_page(installed):
+    """serve.py's page is package data of sapiens2_app (the server reads it from beside its module)."""
+    static = installed / "sapiens2_app" / "static"
+    assert sorted(p.name for p in static.iterdir()) == ["serve.css", "serve.html", "serve.js"]
+    assert all((static / p.name).read_bytes() == p.read_bytes() for p in (ROOT / "sapiens2_app" / "static").iterdir())
+
+
 def test_only_the_library_and_sapiens2_app_are_importable_names(installed):
     """site-packages gets the library's modules, kernels/, sapiens2_app/ and the data; no generic application names
     (train, export, video, formats, ...): the commands are scripts in bin/."""
