@@ -193,7 +193,7 @@ class Explorer:
             h, w = grid.shape
             cell_h, cell_w = picture.height / h, picture.width / w
             box = (query.col * cell_w, query.row * cell_h, (query.col + 1) * cell_w - 1, (query.row + 1) * cell_h - 1)
-            line = max(1, round(min(cell_h, cell_w) / 8))
+            line = max(1, min(3, round(min(cell_h, cell_w) / 8)))
             ImageDraw.Draw(picture).rectangle(box, outline=(255, 255, 255), width=line)
         return stamp_random(picture) if random else picture
 

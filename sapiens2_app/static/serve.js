@@ -292,14 +292,17 @@ function plotNorms(svg, norms) {
     { name: "patches (mean)", color: "#1f77b4", values: norms.patches_mean },
     { name: "patches (max)", color: "#17becf", dashed: true, values: norms.patches_max },
   ];
-  const highest = Math.max(...series.flatMap((line) => line.values), 1e-9);
+  // a log scale: a register's or the CLS token's norm may be a hundredth of the patches' (or a hundred times)
+  const values = series.flatMap((line) => line.values).filter((value) => value > 0);
+  const low = Math.min(...values) / 1.25, high = Math.max(...values) * 1.25;
   const x = (block) => left + (norms.depth > 1 ? block / (norms.depth - 1) : 0.5) * (width - left - right);
-  const y = (value) => top + (1 - value / highest) * (height - top - bottom);
+  const y = (value) => top + (1 - Math.log(Math.max(value, low) / low) / Math.log(high / low)) * (height - top - bottom);
   const parts = [
-    svgElement("line", { x1: left, y1: y(0), x2: width - right, y2: y(0), stroke: "#999" }),
-    svgElement("line", { x1: left, y1: top, x2: left, y2: y(0), stroke: "#999" }),
-    svgElement("text", { x: left - 4, y: top + 8, "text-anchor": "end" }, highest.toPrecision(3)),
-    svgElement("text", { x: left - 4, y: y(0), "text-anchor": "end" }, "0"),
+    svgElement("line", { x1: left, y1: y(low), x2: width - right, y2: y(low), stroke: "#999" }),
+    svgElement("line", { x1: left, y1: top, x2: left, y2: y(low), stroke: "#999" }),
+    svgElement("text", { x: left - 4, y: top + 8, "text-anchor": "end" }, high.toPrecision(2)),
+    svgElement("text", { x: left - 4, y: y(low), "text-anchor": "end" }, low.toPrecision(2)),
+    svgElement("text", { x: left - 4, y: (top + y(low)) / 2, "text-anchor": "end" }, "log"),
     svgElement("text", { x: (left + width - right) / 2, y: height - 8, "text-anchor": "middle" }, `block (0..${norms.depth - 1})`),
   ];
   let legend = top + 10;
