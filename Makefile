@@ -7,9 +7,20 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: test demo env clean
+.PHONY: test demo env browser clean
 
-env: $(VENV)/.installed
+env: $(VENV)/.installed browser
+
+# The real-browser test (tests/test_serve_browser.py) drives Debian's chromium through chromium-driver (no browser can
+# be downloaded by the test itself). Installed with apt-get where there is one (as root, else through sudo); nothing
+# is done when both are there already; without apt-get the test skips, saying why (under CI=true it fails).
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+			chromium-driver || echo "note: chromium could not be installed; the browser test will skip"; \
+	else echo "note: no apt-get here: install chromium and chromedriver for the browser test"; fi
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)

@@ -29,15 +29,16 @@ import sys
 import time
 from pathlib import Path
 
-from sapiens2 import PRESETS, heads, processing
+from sapiens2 import PRESETS, processing
 from sapiens2_app import detector, formats, models, tracking, video
 from sapiens2_app.artefacts import ARTEFACTS, DEFAULT_KINDS, KINDS, TASKS
 from sapiens2_app.boxes import read_boxes_file, unmatched_boxes_warnings
 from sapiens2_app.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
-                              one_line, parse_size, pick_device, pick_dtype, rank_and_world)
+                              one_line, parse_size, parse_tasks, pick_device, pick_dtype, rank_and_world)
 from sapiens2_app.inference import Inference
 from sapiens2_app.inputs import IMAGE_SUFFIXES, InputImage, collect_inputs, is_video, output_names, shard
-from sapiens2_app.models import CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, describe_model, keypoint_names
+from sapiens2_app.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, describe_model, keypoint_names,
+                                 random_banner)
 from sapiens2_app.outputs import Outputs, prepare_output_folder
 from sapiens2_app.pipeline import Run, StopRun, failure_report
 from sapiens2_app.reporting import (Progress, finish_manifest, manifest_path, manifest_reserve, utc_now,
@@ -64,15 +65,6 @@ def parse_count(text: str, low: int, high: int) -> int:
     if not re.fullmatch(r"\d+", text.strip()) or not low <= int(text) <= high:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number from {low} to {high}")
     return int(text)
-
-
-def parse_tasks(text: str) -> list[str]:
-    tasks = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks:
-        raise UsageError(f"unknown task {', '.join(unknown) or text!r}; choose from {', '.join(TASKS)} "
-                         f"(several: seg,normal,pose)")
-    return [t for t in TASKS if t in tasks]  # seg first: pose boxes and masks use it
 
 
 def parse_kinds(text: str) -> set[str]:
@@ -167,18 +159,6 @@ def default_workers() -> int:
     return min(cores, 8)
 
 
-def random_banner(loaded: dict[str, LoadedModel], random_init: str, detector: str | None) -> str:
-    """The loud warning of a run with random weights; `detector`: where pose boxes come from (None: --boxes)."""
-    tasks = ", ".join(t for t, m in loaded.items() if m.random)
-    pose_boxes = []
-    if random_init == "always" and "pose" in loaded and detector is not None:
-        pose_boxes = ["Pose boxes: " + ("the random segmentation's blobs (--detector seg)." if detector == "seg"
-                                        else "the whole image (no person detector was loaded).")]
-    return models.random_weights_banner(
-        tasks, random_init, "The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.",
-        *pose_boxes)
-
-
 def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
@@ -224,15 +204,9 @@ def run(args, argv: list[str]) -> int:
         print(prefix + failure_report(item, None, error)[1], file=sys.stderr)
     prepare_output_folder(out)
 
-    # The models: the detector first (when its weights cannot be had, pose boxes come from seg, loaded next)
-    person_detector, boxes_from = None, None  # boxes_from: the --detector choice in effect (None: --boxes, or no pose)
-    if "pose" in tasks and not args.boxes:
-        person_detector, boxes_from = models.load_detector(args.detector, args.random_init, device, dtype)
-    seg_for = "--mask-with-seg" if args.mask_with_seg else "pose boxes" if boxes_from == "seg" else None
     choice = ModelChoice(tuple(args.model), args.random_init, args.random_backbone, conventions["rope"])
-    loaded = models.load_models(choice, tasks, device, dtype, seg_for)
-    check_size_fits(args.size, loaded)
-    check_flip_pairs(args.flip, loaded)
+    loaded, person_detector, boxes_from = models.load_for_tasks(
+        choice, tasks, device, dtype, None if args.boxes else args.detector, args.mask_with_seg, args.size, args.flip)
     check_keypoint_formats(args, loaded)
     if any(m.random for m in loaded.values()):
         print(random_banner(loaded, args.random_init, boxes_from), file=sys.stderr)
@@ -324,29 +298,6 @@ def check_keypoint_formats(args, loaded: dict[str, LoadedModel]):
     for save in ("openpose", "coco"):
         if save in args.save and (problem := formats.unsupported_keypoints(save, args.coco_format, names)):
             raise UsageError(problem)
-
-
-def check_flip_pairs(flip: bool, loaded: dict[str, LoadedModel]):
-    """The flip test needs the pose model's left/right pairs: say so once, before any image, not per image."""
-    if flip and "pose" in loaded:
-        try:
-            loaded["pose"].model.flip_pairs()
-        except ValueError as error:
-            raise UsageError(f"--model pose: {error}; or run without the flip test (--no-flip)") from None
-
-
-def check_size_fits(size: tuple[int, int] | None, loaded: dict[str, LoadedModel]):
-    """--size against the loaded models, before any image: the patch grid, the pointmap scale branch."""
-    if size is None:
-        return
-    for task, model in loaded.items():
-        config = model.backbone.config
-        if any(side % config.size_multiple for side in size):
-            raise UsageError(f"--size {size[0]}x{size[1]}: the {task} model needs sides that are multiples of "
-                             f"{config.size_multiple}")
-        head = getattr(model.model, "head_config", None)
-        if head is not None and (problem := heads.scale_branch_problem(head, size, config.size_multiple)):
-            raise UsageError(f"--size {size[0]}x{size[1]}: {problem}")
 
 
 def unreadable_inputs(items: list[InputImage], world: int) -> dict[InputImage, Exception]:

@@ -1,5 +1,5 @@
-"""What the three commands share on the command line: the one user-error type, the argument parser that reports in
-one line, the parsers of shared options (--size, --device, --dtype) and of numbers within a range, the launcher's
+"""What the commands share on the command line: the one user-error type, the argument parser that reports in one
+line, the parsers of shared options (tasks, --size, --device, --dtype) and of numbers within a range, the launcher's
 environment (RANK, WORLD_SIZE) and the one handling of Ctrl-C and SIGTERM.
 
     try: ...
@@ -19,6 +19,7 @@ import threading
 import torch
 
 from sapiens2 import Sapiens2Config, weights
+from sapiens2_app.artefacts import TASKS
 
 PATCH_SIZE = Sapiens2Config.patch_size
 SIZE_RANGE = (32, 4096)  # --size sides, pixels: a 2x2 patch grid at least (the heads' norms need >1 cell); 4K at most
@@ -49,6 +50,16 @@ def one_line(message: str, limit: int = 600) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Shared options
 # ----------------------------------------------------------------------------------------------------
+def parse_tasks(text: str) -> list[str]:
+    """`seg,normal,pose` (predict.py's TASK, serve.py's --tasks and its jobs' tasks) -> the tasks in TASKS order."""
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise UsageError(f"unknown task {', '.join(unknown) or text!r}; choose from {', '.join(TASKS)} "
+                         f"(several: seg,normal,pose)")
+    return [t for t in TASKS if t in tasks]  # seg first: pose boxes and masks use it
+
+
 def parse_size(text: str) -> tuple[int, int]:
     """--size of predict.py, train.py and export.py: HxW (or H,W), each side a multiple of the patch size within
     SIZE_RANGE."""

@@ -1,5 +1,6 @@
 """The models a command runs: which checkpoint each task loads (--model), random weights instead (--random-init),
-the person detector (--detector), and what run.json says about them.
+the person detector (--detector), the checks of the loaded models against the options, and what run.json says
+about them. predict.py and serve.py load through load_for_tasks.
 """
 
 from __future__ import annotations
@@ -43,6 +44,49 @@ class LoadedModel:
     def backbone(self) -> Sapiens2:
         """The task model's backbone, or the model itself (a backbone, for features)."""
         return getattr(self.model, "backbone", self.model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Everything a run on photos loads (predict.py, serve.py)
+# ----------------------------------------------------------------------------------------------------
+def load_for_tasks(choice: ModelChoice, tasks: list[str], device, dtype, detector_source: str | None,
+                   mask_with_seg: bool = False, size: tuple[int, int] | None = None, flip: bool = True
+                   ) -> tuple[dict[str, LoadedModel], detector.PersonDetector | None, str | None]:
+    """(one model per task, + seg when pose boxes or --mask-with-seg need it; the person detector; the --detector
+    choice in effect, None without pose or with --boxes), checked against --size and the flip test before any
+    image. The detector loads first: when its weights cannot be had, pose boxes come from seg, loaded next.
+    `detector_source`: --detector, None when --boxes gives the boxes."""
+    person_detector, boxes_from = None, None
+    if "pose" in tasks and detector_source is not None:
+        person_detector, boxes_from = load_detector(detector_source, choice.random_init, device, dtype)
+    seg_for = "--mask-with-seg" if mask_with_seg else "pose boxes" if boxes_from == "seg" else None
+    loaded = load_models(choice, tasks, device, dtype, seg_for)
+    check_size_fits(size, loaded)
+    check_flip_pairs(flip, loaded)
+    return loaded, person_detector, boxes_from
+
+
+def check_flip_pairs(flip: bool, loaded: dict[str, LoadedModel]):
+    """The flip test needs the pose model's left/right pairs: say so once, before any image, not per image."""
+    if flip and "pose" in loaded:
+        try:
+            loaded["pose"].model.flip_pairs()
+        except ValueError as error:
+            raise UsageError(f"--model pose: {error}; or run without the flip test (--no-flip)") from None
+
+
+def check_size_fits(size: tuple[int, int] | None, loaded: dict[str, LoadedModel]):
+    """--size against the loaded models, before any image: the patch grid, the pointmap scale branch."""
+    if size is None:
+        return
+    for task, model in loaded.items():
+        config = model.backbone.config
+        if any(side % config.size_multiple for side in size):
+            raise UsageError(f"--size {size[0]}x{size[1]}: the {task} model needs sides that are multiples of "
+                             f"{config.size_multiple}")
+        head = getattr(model.model, "head_config", None)
+        if head is not None and (problem := heads.scale_branch_problem(head, size, config.size_multiple)):
+            raise UsageError(f"--size {size[0]}x{size[1]}: {problem}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,6 +223,18 @@ def load_or_random(source: str, random_init: str, load_checkpoint, random_weight
             raise
         (note or (lambda message: print(message, file=sys.stderr)))(f"cannot load {source}: {error}")
         return random_weights(), True
+
+
+def random_banner(loaded: dict[str, LoadedModel], random_init: str, detector: str | None) -> str:
+    """The loud warning of a run with random weights; `detector`: where pose boxes come from (None: --boxes)."""
+    tasks = ", ".join(t for t, m in loaded.items() if m.random)
+    pose_boxes = []
+    if random_init == "always" and "pose" in loaded and detector is not None:
+        pose_boxes = ["Pose boxes: " + ("the random segmentation's blobs (--detector seg)." if detector == "seg"
+                                        else "the whole image (no person detector was loaded).")]
+    return random_weights_banner(
+        tasks, random_init, "The outputs show that the pipeline runs end to end; the pictures are MEANINGLESS.",
+        *pose_boxes)
 
 
 def random_weights_banner(tasks: str, random_init: str, consequence: str, *more: str) -> str:

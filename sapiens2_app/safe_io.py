@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import signal
+import struct
 import tempfile
 import threading
 import time
@@ -244,7 +245,7 @@ def encode(value, suffix: str) -> bytes:
         return json_text(value).encode()
     if suffix == ".safetensors":
         tensors, metadata = value
-        return save_safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+        return safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata)
     buffer = io.BytesIO()
     if suffix == ".npy":
         np.save(buffer, value)
@@ -253,6 +254,19 @@ def encode(value, suffix: str) -> bytes:
     else:
         value.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buffer.getvalue()
+
+
+def safetensors_bytes(tensors: dict, metadata: dict | None) -> bytes:
+    """safetensors.torch.save with its JSON header's keys sorted. The library writes the metadata and the tensors'
+    entries in a Rust HashMap's order, which changes from call to call (15 orders in 20 calls of the same save),
+    so the same tensors gave other bytes each time. The data after the header is the library's; the header stays
+    padded with spaces to a multiple of 8 bytes, as the format wants for the data's alignment."""
+    data = save_safetensors_bytes(tensors, metadata=metadata)
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.dumps(json.loads(data[8 : 8 + size]), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    header = header.encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data[8 + size :]
 
 
 def json_text(value, indent: int | None = None) -> str:

@@ -53,6 +53,13 @@ def test_wheel_installs_the_data_files(installed, tmp_path):
     assert counts == "308 29 4"
 
 
+def test_wheel_installs_the_served_page(installed):
+    """serve.py's page is package data of sapiens2_app (the server reads it from beside its module)."""
+    static = installed / "sapiens2_app" / "static"
+    assert sorted(p.name for p in static.iterdir()) == ["serve.css", "serve.html", "serve.js"]
+    assert all((static / p.name).read_bytes() == p.read_bytes() for p in (ROOT / "sapiens2_app" / "static").iterdir())
+
+
 def test_only_sapiens2_names_are_installed(installed):
     """site-packages gets the package sapiens2 and sapiens2_app, nothing with a generic name (kernels, weights, hub,
     train, ...); bin/ gets the one command."""

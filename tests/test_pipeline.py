@@ -261,6 +261,19 @@ def test_outputs_decode_to_the_same_pixels_as_before(tmp_path):
     assert torch.equal(torch.from_numpy(np.array(Image.open(tmp_path / "a.png"))), torch.from_numpy(pixels))
 
 
+def test_features_files_are_the_same_bytes_every_time(tmp_path):
+    """A features file's header lists its metadata and tensors in one order: safetensors writes them in a Rust
+    HashMap's order, which changed from call to call (15 orders in 20 calls), so the same run gave other bytes."""
+    tensors = {"cls": torch.arange(4.0), "features": torch.ones(4, 2, 3)}
+    about = {"image": "é/a.jpg", "height": "80", "width": "60", "model": "m.safetensors", "random_weights": "false"}
+    files = {safe_io.encode((tensors, about), ".features.safetensors") for _ in range(20)}
+    assert len(files) == 1
+    (tmp_path / "a.safetensors").write_bytes(files.pop())
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:  # still a file safetensors reads
+        assert f.metadata() == about and set(f.keys()) == set(tensors)
+        assert all(torch.equal(f.get_tensor(name), tensor) for name, tensor in tensors.items())
+
+
 def test_bench_pipeline_runs_its_rows(tmp_path):
     """bench/pipeline.py end to end on a tiny case: one row per runner, the stand-in's ideal from the serial row's
     CPU time, the stage times, the baseline checkout's row beside them, and the JSON."""

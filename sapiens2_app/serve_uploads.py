@@ -1,0 +1,174 @@
+"""What serve.py reads from a client: a multipart/form-data body, parsed strictly within limits, and each uploaded
+photo judged by its content alone (its first bytes and Pillow's reading of its header, never its name or the type
+the client claims), with its pixel count bounded (decompression bombs) before anything decodes it.
+
+    parts = parse_multipart(content_type, body)       # [Part(name, filename, data)]; ClientError(400) if malformed
+    kind, (width, height) = sniff_image(part.data)    # ClientError(400) for a non-image or a bomb
+    safe_name(part.filename, index)                   # a display name; it never reaches the file system
+
+Written for the standard library alone: the `cgi` module is gone from Python 3.13, and `email`'s MIME parser is
+lenient by design; only the headers of a part go through `email` (quoting, RFC 2231 names).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+import unicodedata
+from dataclasses import dataclass
+from email.parser import BytesHeaderParser
+from email.policy import HTTP
+
+from PIL import Image
+
+MAX_PARTS = 70  # form fields in one upload: MAX_IMAGES photos and a few fields
+MAX_IMAGES = 64  # photos in one job
+MAX_PART_HEADER_BYTES = 8192
+MAX_FIELD_BYTES = 1024  # a text field (tasks=...)
+# Pixels of one photo, width x height. 40 megapixels holds any camera photo of 2024 (a 7952 x 5304 full-frame sensor
+# is 42 MP: refused; 36 MP and below pass); above it, one image's full-size results (a normal map in float32 is 12
+# bytes a pixel) would grow past 0.5 GB. Pillow itself only refuses above 2 x 89 MP.
+MAX_PIXELS = 40_000_000
+BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")  # RFC 2046's bchars, 1..70
+
+# The first bytes of each format Pillow may read here -> Pillow's name for it, which then is the only decoder tried
+SIGNATURES = (
+    (b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+    (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"P5", "PPM"), (b"P6", "PPM"),
+)
+EXTENSIONS = {"JPEG": ".jpg", "PNG": ".png", "GIF": ".gif", "BMP": ".bmp", "TIFF": ".tif", "PPM": ".ppm",
+              "WEBP": ".webp"}
+
+
+class ClientError(Exception):
+    """A request refused: its HTTP status and the one line the page shows."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class CheckedPhoto:
+    """An uploaded photo as judged by check_photo: its data, or why it is refused."""
+    name: str  # safe_name
+    data: bytes | None  # None: refused
+    extension: str = ""  # of the format its content shows (.jpg, .png, ...)
+    size: tuple[int, int] = (0, 0)  # width, height, from its header
+    error: str | None = None
+
+
+@dataclass
+class Part:
+    name: str  # the form field
+    filename: str | None  # as the client sent it (only ever shown, never used as a path)
+    data: bytes
+
+
+# ----------------------------------------------------------------------------------------------------
+# multipart/form-data (RFC 7578)
+# ----------------------------------------------------------------------------------------------------
+def boundary_of(content_type: str) -> bytes:
+    """The boundary of a `multipart/form-data; boundary=...` Content-Type, checked against RFC 2046."""
+    headers = BytesHeaderParser(policy=HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode("latin-1"))
+    if headers.get_content_type() != "multipart/form-data":
+        raise ClientError(415, f"expected a multipart/form-data upload (form fields image and tasks), got "
+                               f"{headers.get_content_type()}")
+    boundary = headers.get_param("boundary")
+    if not isinstance(boundary, str) or not BOUNDARY.fullmatch(boundary.encode("latin-1", "replace")):
+        raise ClientError(400, "the multipart upload has no valid boundary")
+    return boundary.encode("latin-1")
+
+
+def parse_multipart(content_type: str, body: bytes) -> list[Part]:
+    """The parts of a multipart/form-data body, strictly: every part between `--boundary` lines, the closing
+    `--boundary--` present, at most MAX_PARTS parts with headers of at most MAX_PART_HEADER_BYTES each."""
+    delimiter = b"--" + boundary_of(content_type)
+    if not body.startswith(delimiter):
+        raise ClientError(400, "malformed multipart upload: it does not start with its boundary")
+    parts, position = [], len(delimiter)
+    while True:
+        if body.startswith(b"--", position):  # the closing delimiter
+            return parts
+        if not body.startswith(b"\r\n", position):
+            raise ClientError(400, "malformed multipart upload: a boundary is not followed by a line break")
+        end = body.find(b"\r\n" + delimiter, position + 2)
+        if end < 0:
+            raise ClientError(400, "malformed multipart upload: it ends before its closing boundary (cut short?)")
+        if len(parts) == MAX_PARTS:
+            raise ClientError(400, f"too many form fields: at most {MAX_PARTS} in one upload")
+        parts.append(parse_part(body[position + 2 : end]))
+        position = end + 2 + len(delimiter)
+
+
+def parse_part(raw: bytes) -> Part:
+    """One part: its headers (Content-Disposition: form-data; name=...; filename=...), a blank line, its data."""
+    split = raw.find(b"\r\n\r\n")
+    if split < 0 or split > MAX_PART_HEADER_BYTES:
+        raise ClientError(400, "malformed multipart upload: a part's headers are missing or too long")
+    headers = BytesHeaderParser(policy=HTTP).parsebytes(raw[: split + 2] + b"\r\n")
+    if headers.get_content_disposition() != "form-data" or not headers.get_param("name", header="content-disposition"):
+        raise ClientError(400, "malformed multipart upload: a part without Content-Disposition: form-data; name=...")
+    name = str(headers.get_param("name", header="content-disposition"))
+    filename = headers.get_filename()
+    if filename is not None:  # browsers send ", CR and LF in names as %22, %0D, %0A (the HTML standard's encoding)
+        filename = filename.replace("%22", '"').replace("%0D", "\r").replace("%0A", "\n")
+    return Part(name, filename, raw[split + 4 :])
+
+
+def text_field(part: Part) -> str:
+    if part.filename is not None or len(part.data) > MAX_FIELD_BYTES:
+        raise ClientError(400, f"form field {part.name!r}: expected a short text value")
+    try:
+        return part.data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ClientError(400, f"form field {part.name!r}: not UTF-8 text") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Photos
+# ----------------------------------------------------------------------------------------------------
+def sniff_image(data: bytes) -> tuple[str, tuple[int, int]]:
+    """(Pillow's format name, (width, height)) of an uploaded photo, from its content: its signature picks the
+    one decoder that may read it, whose header gives the size. Raises ValueError (the one line to show) for
+    an empty file, a file that is no image of a known kind, a header Pillow cannot read, or more than
+    MAX_PIXELS pixels (a decompression bomb: a small file that decodes to gigabytes)."""
+    if not data:
+        raise ValueError("the file is empty")
+    kind = next((name for signature, name in SIGNATURES if data.startswith(signature)), None)
+    if kind is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        kind = "WEBP"
+    if kind is None:
+        raise ValueError(f"not an image: expected {', '.join(sorted(EXTENSIONS))} (its first bytes say otherwise)")
+    Image.init()
+    open_header = Image.OPEN[kind][0]  # the format's reader alone (Image.open would try its bomb check first)
+    try:
+        with open_header(io.BytesIO(data)) as image:
+            width, height = image.size
+    except (OSError, SyntaxError, EOFError, ValueError, struct.error) as error:
+        raise ValueError(f"a {kind} file whose header cannot be read ({error})") from None
+    if width * height > MAX_PIXELS:
+        raise ValueError(f"refused: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the limit of "
+                         f"{MAX_PIXELS / 1e6:.0f} (a decompression bomb, or a photo to scale down first)")
+    return kind, (width, height)
+
+
+def check_photo(part: Part, index: int) -> CheckedPhoto:
+    """An `image` field of the upload: a photo to run, or refused with the reason (sniff_image)."""
+    name = safe_name(part.filename, index)
+    try:
+        kind, size = sniff_image(part.data)
+    except ValueError as error:
+        return CheckedPhoto(name, None, error=f"{name}: {error}")
+    return CheckedPhoto(name, part.data, EXTENSIONS[kind], size)
+
+
+def safe_name(filename: str | None, index: int) -> str:
+    """What the page and the results call an uploaded photo: the file name the client gave, without any folder,
+    control or separator character, at most 100 characters; `image-N.jpg` when nothing is left. It is shown and
+    written into pose.json (as predict.py writes the input's name), never used as a path."""
+    name = re.split(r"[/\\]", filename or "")[-1]
+    name = "".join(c for c in unicodedata.normalize("NFC", name) if unicodedata.category(c)[0] != "C")
+    name = name.strip().lstrip(".")[-100:].strip()
+    return name or f"image-{index}.jpg"
