@@ -188,6 +188,8 @@ def test_wheel_installs_one_namespace_beside_transformers_and_hf_kernels(fresh, 
     assert unknown.returncode == 2 and "no command 'nope'" in unknown.stderr
     assert run([fresh.python, "-m", "sapiens2", "--version"], cwd=work).stdout.strip() == (
         f"sapiens2 {sapiens2.__version__}")
+    for command in ("train", "export", "serve"):
+        assert f"usage: sapiens2 {command}" in run([fresh.bin / "sapiens2", command, "--help"], cwd=work).stdout
 
     fresh.pip("uninstall", "-y", "sapiens2", cwd=tmp_path)
     assert fresh.top_level() == before_names and {p.name for p in fresh.bin.iterdir()} == before_bin
