@@ -333,3 +333,20 @@ def test_sapiens2_py_with_kernels_beside_it_uses_them(tmp_path):
     finally:
         for name in [m for m in sys.modules if m.split(".")[0] == "sapiens2_with_kernels"]:
             del sys.modules[name]
+
+
+def test_a_wheel_from_the_sdist_is_the_wheel_from_the_checkout(wheel, tmp_path):
+    """`python -m build` makes the sdist, then the wheel from it: the same files, byte for byte, as `pip wheel .`."""
+    import tarfile
+    import zipfile
+    backend = load_build_backend()
+    sdist = tmp_path / backend.build_sdist(str(tmp_path))
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    source, = (tmp_path / "unpacked").iterdir()
+    run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps", "-w",
+         tmp_path / "dist", source], cwd=tmp_path)
+    from_sdist, = (tmp_path / "dist").glob("sapiens2-*.whl")
+    with zipfile.ZipFile(wheel) as a, zipfile.ZipFile(from_sdist) as b:
+        assert a.namelist() == b.namelist()
+        assert all(a.read(name) == b.read(name) for name in a.namelist())
