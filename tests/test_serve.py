@@ -26,10 +26,9 @@ import torch
 from PIL import Image
 
 import predict
-from sapiens2 import processing
 import serve
 from conftest import ROOT
-from sapiens2 import Sapiens2Config
+from sapiens2 import Sapiens2Config, processing
 from sapiens2_app import serve_jobs, serve_uploads
 from test_predict import checkpoints, model_args  # noqa: F401 (a fixture)
 
@@ -519,3 +518,23 @@ def test_multipart_parser_is_strict():
     ]:
         with pytest.raises(serve_uploads.ClientError, match=says):
             serve_uploads.parse_multipart(content_type, body)
+
+
+def test_a_header_reader_raising_any_class_fails_that_photo_alone(monkeypatch):
+    """Whatever a format's header reader raises on crafted bytes (here a class nobody lists) refuses that photo with
+    its one line; the upload's other photos are judged as usual (processing.decoding's rule for the server)."""
+    class ReaderBug(Exception):
+        pass
+
+    def broken_reader(*args, **kwargs):
+        raise ReaderBug("index out of range in a chunk table")
+
+    Image.init()
+    monkeypatch.setitem(Image.OPEN, "PNG", (broken_reader, Image.OPEN["PNG"][1]))
+    png = io.BytesIO()
+    Image.new("RGB", (8, 6)).save(png, "PNG")
+    photos = [serve_uploads.check_photo(serve_uploads.Part("image", name, data), i) for i, (name, data) in
+              enumerate([("a.png", png.getvalue()), ("good.jpg", PHOTO.read_bytes())])]
+    assert photos[0].data is None and photos[0].error == (
+        "a.png: a PNG file whose header cannot be read (ReaderBug: index out of range in a chunk table)")
+    assert photos[1].error is None and photos[1].extension == ".jpg" and photos[1].data == PHOTO.read_bytes()
