@@ -135,11 +135,15 @@ print(json.dumps({{'hf_kernels': kernels.__file__, 'ours': our_kernels.__file__,
 def checkout_logits(folder: Path) -> torch.Tensor:
     """The checkout's library on the file the installed one saved, with the same input."""
     from sapiens2 import weights
-    torch.set_num_threads(1)
     model = weights.load(folder / "seg.safetensors").eval()
     x = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        return model(x).logits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the installed process ran; restored, so later tests keep their threads
+    try:
+        with torch.no_grad():
+            return model(x).logits
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_wheel_installs_one_namespace_beside_transformers_and_hf_kernels(fresh, wheel, tmp_path):
@@ -230,7 +234,6 @@ def test_extras_install_what_the_hints_name():
     for extra, hint in hints.items():
         assert f"sapiens2[{extra}]" in hint, hint
         assert set(hint.split("pip install ")[1].split("(")[0].split()) == names[extra], (extra, hint)
-    assert {"video", "export", "hub"} <= names["test"] | {"video", "export", "hub"}
     assert names["video"] | names["export"] | names["hub"] <= names["test"]
 
 
