@@ -1,6 +1,11 @@
 """Inference: a batch of images (uint8 (3, H, W) tensors) -> per image, each task's result on the CPU (or the
 TaskFailed of a task that failed on it). Each task runs on its own; a batch that fails is retried image by image.
 
+Everything that is tensor math runs on the model's device: preprocessing (resize, padding, normalisation, person
+crops) and post-processing (upsampling back to the photo, argmax, normalisation, smoothing, heatmap decoding). A
+result leaves the device at one point, HostCopies (Inference.to_host), and only as what the files need: a class map
+as uint8 (not 29 full-size fp32 maps), the alpha and composite of a matte as uint8, keypoints; it counts the bytes.
+
 Two steps around the model may happen in other threads, so that the model runs batch after batch: each image's model
 inputs can be made ahead (prepare_ahead, in the decode thread; pose's crops too when its boxes need no model), and a
 dense or pose result is a Pending whose post-processing (back to the photo's size; heatmap decoding) runs where it is
@@ -9,6 +14,7 @@ first needed, in the threads that make the files.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,6 +30,28 @@ from sapiens2_app.models import LoadedModel
 # How each task's model sees the whole image: plain resize (ignoring the aspect ratio, as the original seg demo and
 # HF), or aspect-preserving resize + padding (as the original normal/pointmap/albedo demos). Pose sees person crops.
 PADDED = {"seg": False, "normal": True, "pointmap": True, "albedo": True, "matting": False, "features": False}
+
+
+@dataclass
+class HostCopies:
+    """The one point where results leave the model's device for the host: tensors (in dicts, lists, tuples) are
+    copied to the CPU, and their bytes counted (run.json's `device_to_host`). On a CPU device nothing is copied;
+    the bytes are counted all the same (what a GPU run would copy). Called from several threads (the file makers)."""
+    bytes: int = 0
+    tensors: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __call__(self, value):
+        if isinstance(value, dict):
+            return {key: self(one) for key, one in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self(one) for one in value)
+        if not torch.is_tensor(value):
+            return value
+        with self.lock:
+            self.bytes += value.nbytes
+            self.tensors += 1
+        return value.cpu()
 
 
 @dataclass
@@ -43,6 +71,7 @@ class Inference:
     seg_boxes: bool = True  # pose boxes from the seg blobs when there is no detector (--detector seg)
     resample: str = "original"  # processing's resample= (from --conventions)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per model, for run.json
+    to_host: HostCopies = field(default_factory=HostCopies)  # where every result leaves the device
 
     def input_size(self, task: str) -> tuple[int, int]:
         return self.size or tuple(self.models[task].backbone.config.image_size)
@@ -155,61 +184,73 @@ def rows(inputs: processing.ModelInputs) -> list[processing.ModelInputs]:
 def run_seg(ctx: Inference, images, prepared=None) -> list[Pending]:
     inputs = ctx.inputs("seg", images, prepared)
     logits = ctx.forward("seg", inputs.pixel_values).logits
-    return [Pending(partial(_seg_back, logits[i : i + 1], row)) for i, row in enumerate(rows(inputs))]
+    return [Pending(partial(_seg_back, logits[i : i + 1], row, ctx.to_host)) for i, row in enumerate(rows(inputs))]
 
 
-def _seg_back(logits, row) -> torch.Tensor:
-    return processing.postprocess_segmentation(logits.float(), row)[0].cpu()
+def _seg_back(logits, row, to_host) -> torch.Tensor:
+    """(1, C, h, w) logits -> the photo's (H, W) class map, upsampled and argmaxed on the device; to the host in
+    the smallest integer type that holds C classes (uint8 for 29: 1/8 of the int64 argmax, 1/116 of the logits)."""
+    classes = processing.postprocess_segmentation(logits.float(), row)[0]
+    return to_host(classes.to(class_map_dtype(logits.shape[1])))
+
+
+def class_map_dtype(num_classes: int) -> torch.dtype:
+    """The smallest integer type holding the class ids 0..num_classes - 1 (the .seg.png stores their low byte)."""
+    return torch.uint8 if num_classes <= 256 else torch.int16 if num_classes <= 2**15 else torch.int64
 
 
 def run_normal(ctx: Inference, images, prepared=None) -> list[Pending]:
     inputs = ctx.inputs("normal", images, prepared)
     normals = ctx.forward("normal", inputs.pixel_values).normals
-    return [Pending(partial(_normal_back, normals[i : i + 1], row)) for i, row in enumerate(rows(inputs))]
+    return [Pending(partial(_normal_back, normals[i : i + 1], row, ctx.to_host)) for i, row in enumerate(rows(inputs))]
 
 
-def _normal_back(normals, row) -> torch.Tensor:
-    return processing.postprocess_normals(normals.float(), row)[0].cpu()
+def _normal_back(normals, row, to_host) -> torch.Tensor:
+    return to_host(processing.postprocess_normals(normals.float(), row)[0])
 
 
 def run_pointmap(ctx: Inference, images, prepared=None) -> list[Pending]:
     inputs = ctx.inputs("pointmap", images, prepared)
     out = ctx.forward("pointmap", inputs.pixel_values)
-    return [Pending(partial(_pointmap_back, out.pointmaps[i : i + 1], out.scales[i : i + 1], row))
+    return [Pending(partial(_pointmap_back, out.pointmaps[i : i + 1], out.scales[i : i + 1], row, ctx.to_host))
             for i, row in enumerate(rows(inputs))]
 
 
-def _pointmap_back(pointmaps, scales, row) -> torch.Tensor:
+def _pointmap_back(pointmaps, scales, row, to_host) -> torch.Tensor:
     # smooth: the original demo's Gaussian pre-smoothing before upsampling (HF skips it)
-    return processing.postprocess_pointmap(pointmaps.float(), scales.float(), row, smooth=True)[0]["pointmap"].cpu()
+    return to_host(processing.postprocess_pointmap(pointmaps.float(), scales.float(), row, smooth=True)[0]["pointmap"])
 
 
 def run_albedo(ctx: Inference, images, prepared=None) -> list[Pending]:
     inputs = ctx.inputs("albedo", images, prepared)
     albedo = ctx.forward("albedo", inputs.pixel_values).albedo
-    return [Pending(partial(_albedo_back, albedo[i : i + 1], row)) for i, row in enumerate(rows(inputs))]
+    return [Pending(partial(_albedo_back, albedo[i : i + 1], row, ctx.to_host)) for i, row in enumerate(rows(inputs))]
 
 
-def _albedo_back(albedo, row) -> torch.Tensor:
-    return processing.postprocess_albedo(albedo.float(), row)[0].cpu()
+def _albedo_back(albedo, row, to_host) -> torch.Tensor:
+    """The photo's (3, H, W) albedo as the .albedo.png stores it, uint8, made on the device."""
+    return to_host(processing.albedo_to_uint8(processing.postprocess_albedo(albedo.float(), row)[0]))
 
 
 def run_matting(ctx: Inference, images, prepared=None) -> list[Pending]:
     inputs = ctx.inputs("matting", images, prepared)
     out = ctx.forward("matting", inputs.pixel_values)
-    return [Pending(partial(_matting_back, out.foregrounds[i : i + 1], out.alphas[i : i + 1], size))
+    return [Pending(partial(_matting_back, out.foregrounds[i : i + 1], out.alphas[i : i + 1], size, ctx.to_host))
             for i, size in enumerate(inputs.image_sizes)]
 
 
-def _matting_back(foregrounds, alphas, size) -> dict:
-    return {k: v.cpu() for k, v in processing.postprocess_matting(
-        foregrounds.float(), alphas.float(), target_sizes=[size], background=(255, 255, 255))[0].items()}
+def _matting_back(foregrounds, alphas, size, to_host) -> dict:
+    """The files' matte: {"alpha": (H, W) uint8, "composite": (3, H, W) uint8 over white}, made on the device (the
+    premultiplied foreground, which no file stores, stays there)."""
+    matte = processing.postprocess_matting(foregrounds.float(), alphas.float(), target_sizes=[size],
+                                           background=(255, 255, 255))[0]
+    return to_host({"alpha": processing.float_to_uint8(matte["alpha"][0]), "composite": matte["composite"]})
 
 
 def run_features(ctx: Inference, images, prepared=None) -> list[dict]:
     inputs = ctx.inputs("features", images, prepared)
     out = ctx.forward("features", inputs.pixel_values)
-    return [{"cls": out.cls[i].cpu(), "features": out.features[i].cpu()} for i in range(len(images))]
+    return [ctx.to_host({"cls": out.cls[i], "features": out.features[i]}) for i in range(len(images))]
 
 
 def run_pose(ctx: Inference, images, boxes: list[list], crops: list | None = None) -> list[list[dict] | Pending]:
@@ -230,7 +271,7 @@ def run_pose(ctx: Inference, images, boxes: list[list], crops: list | None = Non
     heatmaps = [ctx.forward("pose", chunk, flip_test) if ctx.flip else ctx.forward("pose", chunk).heatmaps
                 for chunk in inputs.pixel_values.split(ctx.batch_size)]  # people, not images: a photo may hold many
     heatmaps = heatmaps[0] if len(heatmaps) == 1 else torch.cat(heatmaps)  # cat copies (60 MB a person)
-    return [Pending(partial(_pose_back, heatmaps[rows], one)) for rows, one in crops_by_image(inputs)]
+    return [Pending(partial(_pose_back, heatmaps[rows], one, ctx.to_host)) for rows, one in crops_by_image(inputs)]
 
 
 def crops_by_image(inputs: processing.ModelInputs) -> list[tuple[slice, processing.ModelInputs]]:
@@ -245,9 +286,9 @@ def crops_by_image(inputs: processing.ModelInputs) -> list[tuple[slice, processi
     return split
 
 
-def _pose_back(heatmaps, crops) -> list[dict]:
-    people = processing.postprocess_pose(heatmaps.float(), crops)[0]
-    return [{k: v.cpu() for k, v in person.items()} for person in people]
+def _pose_back(heatmaps, crops, to_host) -> list[dict]:
+    """An image's heatmaps -> its people (keypoints, scores, labels, box), decoded (DARK-UDP) on the device."""
+    return to_host(processing.postprocess_pose(heatmaps.float(), crops)[0])
 
 
 DENSE_RUNNERS = {"normal": run_normal, "pointmap": run_pointmap, "albedo": run_albedo, "matting": run_matting,
@@ -258,7 +299,7 @@ def run_detector(ctx: Inference, images) -> list[torch.Tensor | None]:
     if ctx.detector is None:
         return [None] * len(images)
     start = time.perf_counter()
-    detected = [boxes.cpu() for boxes in ctx.detector(images)]
+    detected = [ctx.to_host(boxes) for boxes in ctx.detector(images)]
     ctx.timings["detector"] = ctx.timings.get("detector", 0.0) + time.perf_counter() - start
     return detected
 

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from sapiens2 import processing
 from sapiens2.processing import keypoint_metadata
 from sapiens2_app import formats, pictures, tracking
 from sapiens2_app.artefacts import ARTEFACTS, MASKED_TASKS
@@ -153,11 +152,11 @@ def render(task: str, item: InputImage, image: torch.Tensor, result: dict, loade
                 ".pointmap.ply": lambda: formats.pointmap_ply(value, image, mask),
                 ".depth16.png": lambda: formats.depth16_image(value[2], mask)}
     if task == "matting":
-        return {".alpha.png": lambda: Image.fromarray(processing.float_to_uint8(value["alpha"][0]).numpy()),
+        return {".alpha.png": lambda: Image.fromarray(value["alpha"].numpy()),  # uint8, made on the device
                 ".composite.jpg": lambda: vis(pictures.to_pil(value["composite"]))}
     if task == "albedo":
-        albedo = value if mask is None else value * mask
-        return {".albedo.png": lambda: pictures.to_pil(processing.albedo_to_uint8(albedo))}  # the raw albedo
+        albedo = value if mask is None else value * mask  # uint8, made on the device: masked after, the same bytes
+        return {".albedo.png": lambda: pictures.to_pil(albedo)}  # the raw albedo
     if task == "features":
         about = {"image": item.relative, "height": str(image.shape[-2]), "width": str(image.shape[-1]),
                  "model": features_model(loaded), "random_weights": str(loaded.random).lower()}

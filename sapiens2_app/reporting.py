@@ -135,3 +135,6 @@ def finish_manifest(manifest: dict, run, todo: list, skipped: int, elapsed: floa
                     images_per_s=round(rate, 3))
     manifest["timings_s"].update(total=round(elapsed, 3),
                                  model={t: round(s, 3) for t, s in run.inference.timings.items()})
+    copies = run.inference.to_host  # what left the model's device (inference.HostCopies)
+    manifest["device_to_host"] = {"bytes": copies.bytes, "tensors": copies.tensors,
+                                  "bytes_per_image": round(copies.bytes / max(run.done, 1))}
