@@ -76,6 +76,11 @@ class Inference:
     def input_size(self, task: str) -> tuple[int, int]:
         return self.size or tuple(self.models[task].backbone.config.image_size)
 
+    def on_device(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The decoded uint8 images on the model's device, copied there once for all the tasks (non_blocking: from
+        pinned memory, as the decode pins them for a GPU, the copy does not wait for the CPU)."""
+        return [image.to(self.device, non_blocking=True) for image in images]
+
     def prepare(self, task: str, images) -> processing.ModelInputs:
         return processing.preprocess(images, self.input_size(task), pad=PADDED[task], resample=self.resample,
                                      device=self.device)
@@ -83,7 +88,7 @@ class Inference:
     def prepare_ahead(self, image: torch.Tensor, item: InputImage | None = None) -> dict:
         """One image's input to each whole-image model (or why it cannot be made), before its batch runs; and its
         pose crops (PoseAhead) when its boxes need no model (`item`: its --boxes entry, else the whole image)."""
-        prepared = {}
+        prepared, (image,) = {}, self.on_device([image])
         for task in PADDED:
             if task in self.models:
                 try:
@@ -337,6 +342,7 @@ def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor], p
     image) keeps the others. `prepared`: per image, prepare_ahead's inputs (None: made here)."""
     results = [{"mask": None, "warnings": []} for _ in images]
     prepared = prepared or [{} for _ in images]
+    images = ctx.on_device(images)  # every model's input is made from these, on the device
 
     def ahead(task):
         return [one.get(task) for one in prepared]
