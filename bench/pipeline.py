@@ -23,8 +23,11 @@ Each row runs predict.main on synthetic photos (smooth random JPEGs) with the mo
 pipelined one (predict.py --workers). The files are the same either way (tests/test_pipeline.py).
 
 Stages: decode (processing.load_image), preprocess (resizing, normalizing, crops), model, postprocess (back to the
-photo: resize, argmax, heatmap decoding), render (pictures and arrays), encode (PNG/JPEG/npy bytes), write (the
-atomic write of the bytes).
+photo: resize, argmax, heatmap decoding), to_host (inference.HostCopies: the results' copy off the model's device),
+render (pictures and arrays), encode (PNG/JPEG/npy bytes), write (the atomic write of the bytes). preprocess and
+postprocess run on the model's device (DEVICE_STAGES): with --device cpu the CPU does them, with a GPU the host only
+launches them, and its share of a photo is the HOST_STAGES (`host_ms_per_image_with_a_device`). Each row also
+gives the bytes that left the device per photo (run.json's device_to_host).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from sapiens2_app import inference, models, outputs, safe_io  # noqa: E402
 from sapiens2_app.runtime_info import versions  # noqa: E402
 
 MODEL_SIZE = (1024, 768)
+DEVICE_STAGES = ("preprocess", "postprocess")  # on the model's device: the host's share when it is a GPU is the rest
+HOST_STAGES = ("decode", "to_host", "render", "encode", "write")
 TASK_SETS = ("seg", "normal", "pose", "seg,normal,pose")
 PHOTOS = ("1080x1440", "1920x1080")  # width x height
 TINY = dict(embed_dim=32, depth=1, num_heads=2, full_attention_first=1, full_attention_last=1, image_size=MODEL_SIZE)
@@ -164,8 +169,11 @@ def clocked(clock: StageClock):
     """Wrap the functions of each stage where the pipeline looks them up (module attributes)."""
     patches = [(processing, "load_image", "decode"), (inference.Inference, "prepare", "preprocess"),
                (processing, "preprocess_crops", "preprocess"), (inference.Inference, "forward", "model"),
+               (getattr(inference, "HostCopies", None), "__call__", "to_host"),
                (outputs, "encode", "encode"), (safe_io, "write_value", "write")]
     patches += [(processing, name, "postprocess") for name in dir(processing) if name.startswith("postprocess_")]
+    # an older checkout (--baseline) times the stages it has
+    patches = [(owner, name, stage) for owner, name, stage in patches if hasattr(owner, name)]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     real_render = outputs.render
 
@@ -203,13 +211,13 @@ def write_photos(folder: Path, photo: str, count: int) -> list[Path]:
 def run_row(tasks: str, photos: Path, out: Path, workers: int | None, built: dict | None, hold_ms: float, batch: int,
             device: str, extra: tuple = ()) -> dict:
     """predict.py on the photos with the stand-in models (`built`; None: the models `extra` names). workers None:
-    an older checkout's predict.py (--baseline), which may have no --workers, nor the functions the stages time."""
+    an older checkout's predict.py (--baseline) that has no --workers; the stages time what a checkout has."""
     clock = StageClock()
     argv = [tasks, str(photos), "-o", str(out), "--batch-size", str(batch),
             *(("--workers", str(workers)) if workers is not None else ()),
             "--device", device, "--no-flip", "--detector", "none", *extra]
     models_in_use = stand_in_models(built, hold_ms) if built is not None else contextlib.nullcontext()
-    stages = clocked(clock) if workers is not None else contextlib.nullcontext()
+    stages = clocked(clock)
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     with models_in_use, stages, contextlib.redirect_stderr(open(os.devnull, "w")):
         status = predict.main(argv)
@@ -218,10 +226,12 @@ def run_row(tasks: str, photos: Path, out: Path, workers: int | None, built: dic
         raise RuntimeError(f"predict.py {' '.join(argv)} exited {status}")
     manifest = json.loads((out / "run.json").read_text())
     images = manifest["counts"]["written"]
+    stage_cpu = {k: round(1000 * v / images, 1) for k, v in sorted(clock.cpu.items())}
     return {"images": images, "images_per_s": manifest["images_per_s"], "wall_s": round(wall, 3),
-            "cpu_ms_per_image": round(1000 * cpu / images, 1),
-            "stage_cpu_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.cpu.items())},
-            "stage_wall_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.wall.items())}}
+            "cpu_ms_per_image": round(1000 * cpu / images, 1), "stage_cpu_ms_per_image": stage_cpu,
+            "stage_wall_ms_per_image": {k: round(1000 * v / images, 1) for k, v in sorted(clock.wall.items())},
+            "host_ms_per_image_with_a_device": round(sum(stage_cpu.get(k, 0.0) for k in HOST_STAGES), 1),
+            "device_to_host_bytes_per_image": manifest.get("device_to_host", {}).get("bytes_per_image")}
 
 
 def checkout(revision: str, folder: Path) -> Path:
@@ -240,11 +250,12 @@ def revision_id(revision: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else revision
 
 
-def baseline_row(code: Path, tasks: str, photos: Path, out: Path, batch: int, device: str) -> dict:
-    """The free row of an older checkout's predict.py (`code`), in a process of its own: its modules, not ours."""
+def baseline_row(code: Path, tasks: str, photos: Path, out: Path, batch: int, device: str, workers: int) -> dict:
+    """The free row of an older checkout's predict.py (`code`), in a process of its own: its modules, not ours;
+    with `workers` where its predict.py has --workers."""
     result = out.with_suffix(".json")
     command = [sys.executable, __file__, "--baseline-row", str(photos), "--tasks", tasks, "--batch-size", str(batch),
-               "--device", device, "--out", str(result), "--scratch", str(out)]
+               "--device", device, "--out", str(result), "--scratch", str(out), "--workers", str(workers)]
     done = subprocess.run(command, env={**os.environ, CODE_OF: str(code)}, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the baseline row ({' '.join(command)}) failed:\n{done.stderr[-2000:]}")
@@ -265,8 +276,8 @@ def bench(tasks_sets, photos, images: int, workers: list[int], batch: int, devic
             write_photos(folder, photo, images)
             for tasks in tasks_sets:
                 built = real_models(tasks.split(","))
-                then = (baseline_row(code, tasks, folder, tmp / f"out-baseline-{len(rows)}", batch, device)
-                        if code else None)
+                then = (baseline_row(code, tasks, folder, tmp / f"out-baseline-{len(rows)}", batch, device,
+                                     min(workers)) if code else None)
                 free = {w: run_row(tasks, folder, tmp / f"out-free-{w}", w, built, 0.0, batch, device) for w in workers}
                 serial = free[min(workers)]
                 hold = round(1000 / serial["images_per_s"], 1)  # the balanced case: the model as slow as the CPU work
@@ -338,17 +349,36 @@ def model_alone(task: str, preset: str, device: str, batch: int, size: str | Non
     return round(batch / sorted(times)[len(times) // 2], 3)
 
 
-HEADER = ("| tasks | photo | workers | free img/s | vs serial | vs baseline | CPU ms/img | decode | pre | post | render "
-          "| encode | write | T ms/img | stand-in img/s | of ideal |\n" + "|---" * 16 + "|")
+HEADER = ("| tasks | photo | workers | free img/s | vs serial | vs baseline | CPU ms/img | decode | pre | post | to host "
+          "| render | encode | write | host ms/img with a device | MB to host/img | T ms/img | stand-in img/s "
+          "| of ideal |\n" + "|---" * 19 + "|")
+STAGE_COLUMNS = ("decode", "preprocess", "postprocess", "to_host", "render", "encode", "write")
 
 
 def table_row(row: dict) -> str:
-    stages = row["free"]["stage_cpu_ms_per_image"]
-    cells = [row["tasks"], row["photo"], row["workers"], row["free"]["images_per_s"], row["speedup_free_vs_serial"],
-             row.get("speedup_free_vs_baseline", "-"), row["free"]["cpu_ms_per_image"],
-             *(stages.get(s, 0) for s in ("decode", "preprocess", "postprocess", "render", "encode", "write")),
+    free = row["free"]
+    stages, copied = free["stage_cpu_ms_per_image"], free.get("device_to_host_bytes_per_image")
+    cells = [row["tasks"], row["photo"], row["workers"], free["images_per_s"], row["speedup_free_vs_serial"],
+             row.get("speedup_free_vs_baseline", "-"), free["cpu_ms_per_image"],
+             *(stages.get(s, "-") for s in STAGE_COLUMNS), free.get("host_ms_per_image_with_a_device", "-"),
+             "-" if copied is None else round(copied / 1e6, 2),
              row["stand_in"]["hold_ms_per_image"], row["stand_in"]["images_per_s"], row["stand_in"]["of_ideal"]]
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def baseline_table(rows: list[dict]) -> str:
+    """Per row with a --baseline: the free runner's CPU ms per photo by stage, the baseline's and ours."""
+    lines = ["| tasks | photo | workers | code | " + " | ".join(STAGE_COLUMNS) + " | all stages |",
+             "|---" * (5 + len(STAGE_COLUMNS)) + "|"]
+    for row in rows:
+        if "baseline" not in row:
+            continue
+        for code, free in ((row["baseline"]["revision"][:7], row["baseline"]["free"]), ("this", row["free"])):
+            stages = free.get("stage_cpu_ms_per_image", {})
+            cells = [row["tasks"], row["photo"], row["workers"], code, *(stages.get(s, "-") for s in STAGE_COLUMNS),
+                     round(sum(v for k, v in stages.items() if k != "model"), 1)]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -371,15 +401,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--report", type=Path, help="print the table of a results file and exit")
     args = parser.parse_args(argv)
-    if args.baseline_row:  # in the baseline's checkout (CODE_OF): its predict.py, no stage timing, no --workers
-        row = run_row(args.tasks[0], args.baseline_row, args.scratch, None, real_models(args.tasks[0].split(",")),
-                      0.0, args.batch_size, args.device)
+    if args.baseline_row:  # in the baseline's checkout (CODE_OF): its predict.py, the stages it has
+        built = real_models(args.tasks[0].split(","))
+        try:
+            row = run_row(args.tasks[0], args.baseline_row, args.scratch, int(args.workers), built, 0.0,
+                          args.batch_size, args.device)
+        except (RuntimeError, SystemExit):  # a predict.py from before --workers
+            row = run_row(args.tasks[0], args.baseline_row, args.scratch, None, built, 0.0, args.batch_size,
+                          args.device)
         args.out.write_text(json.dumps(row))
         return 0
     if args.report:
         print(HEADER)
-        for row in json.loads(args.report.read_text())["rows"]:
+        rows = json.loads(args.report.read_text())["rows"]
+        for row in rows:
             print(table_row(row))
+        if any("baseline" in row for row in rows):
+            print("\nCPU ms per photo by stage, the baseline's and this checkout's:\n" + baseline_table(rows))
         return 0
     if not args.only_real:
         print(HEADER)

@@ -298,8 +298,13 @@ def test_bench_pipeline_runs_its_rows(tmp_path):
         held = row["stand_in"]  # T: the serial free row's time per image (0.05 ms: its rounding)
         assert held["hold_ms_per_image"] == pytest.approx(1000 / rows[0]["free"]["images_per_s"], abs=0.05)
         assert held["ideal_images_per_s"] == pytest.approx(1000 / held["hold_ms_per_image"], abs=1e-3)
-        then = row["baseline"]  # HEAD's predict.py, in a process of its own, on the same photos
+        assert "to_host" in row["free"]["stage_wall_ms_per_image"]
+        assert row["free"]["device_to_host_bytes_per_image"] == 64 * 48  # seg: the photo's uint8 class map
+        host = sum(row["free"]["stage_cpu_ms_per_image"][s] for s in bench.HOST_STAGES)
+        assert row["free"]["host_ms_per_image_with_a_device"] == pytest.approx(host, abs=0.06)  # sum of 5 rounded
+        then = row["baseline"]  # HEAD's predict.py, in a process of its own, on the same photos, its stages timed
         assert len(then["revision"]) == 40 and then["free"]["images"] == 3
+        assert {"decode", "preprocess", "postprocess", "render"} <= set(then["free"]["stage_cpu_ms_per_image"])
         assert row["speedup_free_vs_baseline"] == pytest.approx(
             row["free"]["images_per_s"] / then["free"]["images_per_s"], rel=2e-3)  # both rounded to 3 digits
     assert result["device"] == "cpu" and "torch" in result["versions"]
