@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import predict
+from sapiens2 import processing
 from sapiens2_app import inference
 from test_pipeline import contents
 from test_predict import ALL_TASKS, checkpoints, model_args, write_images  # noqa: F401 (a fixture)
@@ -111,3 +113,99 @@ def test_only_what_the_files_need_leaves_the_device(checkpoints, photos, tmp_pat
 def test_seg_class_maps_are_uint8_up_to_256_classes():
     assert inference.class_map_dtype(29) == torch.uint8 and inference.class_map_dtype(256) == torch.uint8
     assert inference.class_map_dtype(257) == torch.int16  # a fine-tune with more classes keeps its ids (overlay)
+
+
+# ----------------------------------------------------------------------------------------------------
+# On CUDA: the device's post-processing against the CPU's, on the same inputs (docs/predict.md#where-the-work-runs)
+# ----------------------------------------------------------------------------------------------------
+EPS = torch.finfo(torch.float32).eps  # every step below computes in fp32 (pose's DARK step: float64, rounded to fp32)
+PHOTO = (80, 60)  # the maps below are upsampled to it from 32x24, as a photo is from the model's output
+
+
+def cuda_device() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA only: compares the device's post-processing with the CPU's")
+    return torch.device("cuda")
+
+
+def both(function, *tensors, device):
+    """`function` of `tensors` on the CPU and on `device`, the second brought back to the CPU."""
+    on_device = function(*(t.to(device) for t in tensors))
+    return function(*tensors), (on_device.cpu() if torch.is_tensor(on_device) else on_device)
+
+
+def check_resized_inputs(device):
+    """Area (shrinking), cubic (growing) and linear resizes, and person crops, rounded to uint8: at most one grey
+    level apart, where a value sits at .5 before rounding (rare)."""
+    generator = torch.Generator().manual_seed(0)
+    photo = F.interpolate(torch.rand(1, 3, 12, 9, generator=generator) * 255, size=(300, 225), mode="bicubic")
+    photo = photo.clamp(0, 255).round().to(torch.uint8)[0]
+    cases = [lambda p: processing.resize(p, (64, 48), "area"), lambda p: processing.resize(p, (64, 48), "bilinear"),
+             lambda p: processing.resize(p[:, :40, :30], (64, 48), "bicubic"),
+             lambda p: processing.crop_people(p, [[20.0, 30.0, 100.0, 200.0], [0, 0, 40, 20]], (64, 48))]
+    for case in cases:
+        cpu, other = both(case, photo, device=device)
+        difference = (cpu.float() - other.float()).abs()
+        assert difference.max() <= 1 and (difference > 0).float().mean() < 0.01
+
+
+def check_seg(device):
+    """Class maps differ only where the two highest upsampled logits are within rounding of each other: bilinear
+    weights and sums in fp32, a few ulp of the largest logit apart (16 ulp allowed)."""
+    logits = torch.randn(1, 29, 32, 24, generator=torch.Generator().manual_seed(1)) * 4
+    row = processing.ModelInputs(None, [PHOTO], [(0, 0, 32, 24)], (32, 24))
+    scores = processing.postprocess_segmentation(logits, row, return_scores=True)[0]["scores"]
+    cpu, other = both(lambda x: processing.postprocess_segmentation(x, row)[0], logits, device=device)
+    top2 = scores.topk(2, dim=0).values
+    clear = (top2[0] - top2[1]) > 16 * EPS * logits.abs().max()
+    assert torch.equal(cpu[clear], other[clear]) and clear.float().mean() > 0.99
+
+
+def check_dense(device):
+    """Normals (unit vectors) and smoothed pointmaps within 16 ulp of their largest value: bilinear sums and the
+    pointmap's four 3x3 blurs in fp32 in another order (TF32 convolutions would be ~1e-3 off and fail here)."""
+    generator = torch.Generator().manual_seed(2)
+    padded = processing.ModelInputs(None, [PHOTO], [(4, 0, 28, 24)], (32, 24))  # a padded task's row
+    normals = torch.randn(1, 3, 32, 24, generator=generator)
+    cpu, other = both(lambda n: processing.postprocess_normals(n, padded)[0], normals, device=device)
+    assert (cpu - other).abs().max() <= 16 * EPS
+    points, scales = torch.randn(1, 3, 32, 24, generator=generator) * 3, torch.tensor([[1.5]])
+    cpu, other = both(lambda p, s: processing.postprocess_pointmap(p, s, padded)[0]["pointmap"], points, scales,
+                      device=device)
+    assert (cpu - other).abs().max() <= 16 * EPS * cpu.abs().max()
+
+
+def check_uint8_files(device):
+    """Albedo, alpha and composite as the PNG/JPEG files store them: one grey level apart at most, where x * 255
+    lands on an integer within rounding (rare)."""
+    generator = torch.Generator().manual_seed(3)
+    maps = torch.rand(1, 4, 32, 24, generator=generator)
+    row = processing.ModelInputs(None, [PHOTO], [(0, 0, 32, 24)], (32, 24))
+    outputs = [lambda m: processing.albedo_to_uint8(processing.postprocess_albedo(m[:, :3], row)[0]),
+               lambda m: processing.postprocess_matting(m[:, :3] * m[:, 3:], m[:, 3:], [PHOTO], (255, 255, 255))[0][
+                   "composite"],
+               lambda m: processing.float_to_uint8(processing.postprocess_matting(m[:, :3], m[:, 3:], [PHOTO])[0][
+                   "alpha"])]
+    for output in outputs:
+        cpu, other = both(output, maps, device=device)
+        difference = (cpu.float() - other.float()).abs()
+        assert difference.max() <= 1 and (difference > 0).float().mean() < 0.01
+
+
+def check_pose(device):
+    """DARK-UDP on peaked maps (a trained model's): scores (the maxima) exactly; keypoints from float64 sums in
+    another order, rounded to fp32: within 16 ulp of the map's width."""
+    generator = torch.Generator().manual_seed(4)
+    y, x = torch.arange(64.0).view(-1, 1), torch.arange(48.0).view(1, -1)
+    centres = torch.rand(2, 17, 2, 1, 1, generator=generator) * torch.tensor([47.0, 63.0]).view(2, 1, 1)
+    heatmaps = torch.exp(-((x - centres[:, :, 0]) ** 2 + (y - centres[:, :, 1]) ** 2) / (2 * 2.0**2))
+    heatmaps = heatmaps + 0.01 * torch.rand(heatmaps.shape, generator=generator)
+    (cpu_xy, cpu_scores), (xy, scores) = processing.decode_heatmaps(heatmaps), processing.decode_heatmaps(
+        heatmaps.to(device))
+    assert torch.equal(cpu_scores, scores.cpu())
+    assert (cpu_xy - xy.cpu()).abs().max() <= 16 * EPS * 48
+
+
+@pytest.mark.parametrize("check", [check_resized_inputs, check_seg, check_dense, check_uint8_files, check_pose])
+def test_on_cuda_outputs_differ_from_the_cpu_only_in_their_last_bits(check):
+    check(cuda_device())
