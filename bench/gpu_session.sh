@@ -180,6 +180,18 @@ wanted e2e && run e2e "${LIMIT[e2e]}" "$PY" "${E2E[@]}" --impls hf,ours-triton -
 wanted pipeline && run pipeline "${LIMIT[pipeline]}" "$PY" bench/pipeline.py --device cuda --real 0.4b --only-real \
     --tasks seg --photos 1080x1440 --images 32 --workers 8 --batch-size 8 --out "$PIPELINE_JSON"
 wanted tests && run tests "${LIMIT[tests]}" "$PY" -m pytest -p no:cacheprovider -rfE "${CUDA_TESTS[@]}"
+# predict    (issue 37) predict.py's photos/s against the model-only rate for seg, pose and normal: 16 photos of
+#            1080x1440 each, batch 8, --workers 8, the real-size 0.4b model (random weights), pre- and
+#            post-processing on the GPU; with each row the host's ms per photo by stage and the bytes that left the
+#            GPU per photo. Its limit is set here (not in LIMIT above); it runs by default and with STEPS=predict.
+PREDICT_LIMIT=${PREDICT_LIMIT:-60}
+if wanted predict || [[ $STEPS == "$ALL_STEPS" ]]; then
+    run predict "$PREDICT_LIMIT" "$PY" bench/pipeline.py --device cuda --real 0.4b --only-real \
+        --tasks seg pose normal --photos 1080x1440 --images 16 --workers 8 --batch-size 8 --out "$DEST/predict.json"
+    # the bounds on how far the GPU's post-processing may differ from the CPU's (docs/predict.md)
+    run device-boundary 30 "$PY" -m pytest -p no:cacheprovider -rfE \
+        "tests/test_device_boundary.py::test_on_cuda_outputs_differ_from_the_cpu_only_in_their_last_bits"
+fi
 # The last step takes what is left (at least its own limit): a cold compile of the 0.4b model may need minutes.
 wanted compile && run compile "$(( $(left) > ${LIMIT[compile]} ? $(left) : ${LIMIT[compile]} ))" "$PY" "${E2E[@]}" \
     --impls hf-compile --timeout "$DEADLINE"

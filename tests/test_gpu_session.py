@@ -123,8 +123,11 @@ def test_every_step_keeps_its_rows_when_killed(tmp_path):
                                                 "128x128w8s2to", "128x64w8s3tog")]
     assert impls[:11] == ["sdpa", *forced, "triton,auto", "triton,reference", "triton,auto,sdpa_flash,reference",
                           "triton,auto,sdpa_flash,reference"]
-    assert [a[0] for a in steps[11:]] == ["bench/e2e.py", "bench/pipeline.py", "-m", "bench/e2e.py"]
-    assert impls[11] == "hf,ours-triton" and impls[14] == "hf-compile"  # the cold compile alone, last
+    assert [a[0] for a in steps[11:]] == ["bench/e2e.py", "bench/pipeline.py", "-m", "bench/pipeline.py", "-m",
+                                          "bench/e2e.py"]
+    assert impls[11] == "hf,ours-triton" and impls[16] == "hf-compile"  # the cold compile alone, last
+    predict_step = steps[14]  # predict.py against the model alone, seg, pose and normal
+    assert predict_step[predict_step.index("--tasks") + 1 : predict_step.index("--photos")] == ["seg", "pose", "normal"]
     for call in program_calls(calls):  # in every step, after the wheel install
         assert call["env"]["TRITON_DEFAULT_FP_FUSION"] == "1" and call["env"]["TRITON_CACHE_AUTOTUNING"] == "1"
         assert call["env"]["PYTHONPATH"].startswith("/tmp/site")
@@ -139,10 +142,10 @@ def test_every_step_keeps_its_rows_when_killed(tmp_path):
     assert kernel_impls == [("sdpa", "0.4b"), *((f, "0.4b") for f in forced if f != "triton[128x64w8s3to]"),
                             ("triton", "0.4b"), ("triton", "0.4b,5b"), ("triton", "5b"), ("triton", "0.8b")]
     assert [r["impl"] for r in rows(out / "e2e.json")] == ["hf", "hf-compile"]
-    assert len(rows(out / "pipeline.json", "real_rows")) == 1
+    assert len(rows(out / "pipeline.json", "real_rows")) == 1 and len(rows(out / "predict.json", "real_rows")) == 1
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
-    assert files == ["e2e.json", "gpu-session.log", "kernels.json", "pipeline.json"]  # <= 8; no .partial left
-    assert "4 files in" in log and "(ok)" in log and "stub" not in " ".join(files)
+    assert files == ["e2e.json", "gpu-session.log", "kernels.json", "pipeline.json", "predict.json"]  # <= 8
+    assert "5 files in" in log and "(ok)" in log and "stub" not in " ".join(files)
     assert "versions {" in log and "== summary" in log
     plan = next(line for line in log.splitlines() if line.startswith("== plan"))
     total = int(plan.split("limits ")[1].split("s")[0])  # the undivided limits: setup + every step
