@@ -349,8 +349,8 @@ def model_alone(task: str, preset: str, device: str, batch: int, size: str | Non
     return round(batch / sorted(times)[len(times) // 2], 3)
 
 
-HEADER = ("| tasks | photo | workers | free img/s | vs serial | vs baseline | CPU ms/img | decode | pre | post | to host "
-          "| render | encode | write | host ms/img with a device | MB to host/img | T ms/img | stand-in img/s "
+HEADER = ("| tasks | photo | workers | free img/s | vs serial | vs baseline | CPU ms/img | decode | pre | post "
+          "| to host | render | encode | write | host ms/img with a device | MB to host/img | T ms/img | stand-in img/s "
           "| of ideal |\n" + "|---" * 19 + "|")
 STAGE_COLUMNS = ("decode", "preprocess", "postprocess", "to_host", "render", "encode", "write")
 
