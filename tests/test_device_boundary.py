@@ -91,6 +91,8 @@ class Recorder(inference.HostCopies):
     ("matting", [((80, 60), torch.uint8), ((3, 80, 60), torch.uint8)]),
     ("albedo", [((3, 80, 60), torch.uint8)]),
     ("normal", [((3, 80, 60), torch.float32)]),  # the .npy stores these
+    # pose (one person: the whole image): keypoints, scores, keypoint ids, box; not 308 heatmaps
+    ("pose", [((308, 2), torch.float32), ((308,), torch.float32), ((308,), torch.int64), ((4,), torch.float32)]),
 ])
 def test_only_what_the_files_need_leaves_the_device(checkpoints, photos, tmp_path, monkeypatch, task, expected):
     recorders, real_init = [], inference.Inference.__init__
@@ -101,7 +103,8 @@ def test_only_what_the_files_need_leaves_the_device(checkpoints, photos, tmp_pat
         recorders.append(self.to_host)
 
     monkeypatch.setattr(inference.Inference, "__init__", init)
-    argv = [task, str(photos / "a.jpg"), "-o", str(tmp_path), "--workers", "0", *model_args(checkpoints, [task])]
+    argv = [task, str(photos / "a.jpg"), "-o", str(tmp_path), "--workers", "0", "--detector", "none",
+            *model_args(checkpoints, [task])]
     assert predict.main(argv) == 0
     (recorder,) = recorders
     assert sorted(recorder.seen, key=str) == sorted(expected, key=str)
