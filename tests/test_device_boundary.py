@@ -113,6 +113,55 @@ def test_only_what_the_files_need_leaves_the_device(checkpoints, photos, tmp_pat
     assert manifest["device_to_host"] == {"bytes": copied, "tensors": len(expected), "bytes_per_image": copied}
 
 
+class Crossed(torch.Tensor):
+    """A tensor that went through the device boundary; what torch computes from it keeps the mark."""
+
+
+DEVICE_STAGES = ("preprocess", "preprocess_crops", "resize", "normalize", "crop_people", "postprocess_segmentation",
+                 "class_ids", "postprocess_normals", "unit_length", "postprocess_pointmap", "gaussian_blur",
+                 "postprocess_albedo", "albedo_to_uint8", "postprocess_matting", "float_to_uint8", "postprocess_pose",
+                 "decode_heatmaps")  # the tensor math docs/predict.md puts on the model's device
+
+
+def crossed_in(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(crossed_in(one) for one in value)
+    if isinstance(value, dict):
+        return any(crossed_in(one) for one in value.values())
+    return isinstance(value, Crossed)
+
+
+def test_no_device_stage_runs_on_what_crossed_to_the_host(checkpoints, photos, tmp_path, monkeypatch):
+    """Every task, pose boxes from the segmentation: results are marked where they leave the device (the boundary,
+    mocked), and no preprocessing or post-processing step is ever given a marked tensor, so with a GPU none of
+    them runs on the host."""
+    real_copy, device_calls = inference.HostCopies.__call__, []
+
+    def mark(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(mark(one) for one in value)
+        if isinstance(value, dict):
+            return {key: mark(one) for key, one in value.items()}
+        return value.as_subclass(Crossed) if torch.is_tensor(value) else value
+
+    def guarded(name, function):
+        def stage(*args, **kwargs):
+            assert not crossed_in(args) and not crossed_in(kwargs), f"{name} ran on a tensor already on the host"
+            device_calls.append(name)
+            return function(*args, **kwargs)
+        return stage
+
+    monkeypatch.setattr(inference.HostCopies, "__call__", lambda self, value: mark(real_copy(self, value)))
+    for name in DEVICE_STAGES:
+        monkeypatch.setattr(processing, name, guarded(name, getattr(processing, name)))
+    argv = [ALL_TASKS, str(photos / "a.jpg"), "-o", str(tmp_path), "--workers", "0", "--detector", "seg",
+            *model_args(checkpoints, ALL_TASKS.split(","))]
+    assert predict.main(argv) == 0
+    assert {"preprocess", "preprocess_crops", "postprocess_segmentation", "postprocess_pose", "postprocess_matting",
+            "postprocess_albedo", "postprocess_pointmap", "postprocess_normals"} <= set(device_calls)
+    assert len(list(tmp_path.glob("a.*"))) >= 10  # the files were made, from marked results
+
+
 def test_seg_class_maps_are_uint8_up_to_256_classes():
     assert inference.class_map_dtype(29) == torch.uint8 and inference.class_map_dtype(256) == torch.uint8
     assert inference.class_map_dtype(257) == torch.int16  # a fine-tune with more classes keeps its ids (overlay)
