@@ -25,9 +25,9 @@ pipelined one (predict.py --workers). The files are the same either way (tests/t
 Stages: decode (processing.load_image), preprocess (resizing, normalizing, crops), model, postprocess (back to the
 photo: resize, argmax, heatmap decoding), to_host (inference.HostCopies: the results' copy off the model's device),
 render (pictures and arrays), encode (PNG/JPEG/npy bytes), write (the atomic write of the bytes). preprocess and
-postprocess run on the model's device (DEVICE_STAGES): with --device cpu the CPU does them, with a GPU the host only
-launches them, and its share of a photo is the HOST_STAGES (`host_ms_per_image_with_a_device`). Each row also
-gives the bytes that left the device per photo (run.json's device_to_host).
+postprocess run on the model's device: with --device cpu the CPU does them, with a GPU the host only launches them,
+and its share of a photo is the HOST_STAGES (`host_ms_per_image_with_a_device`). Each row also gives the bytes that
+left the device per photo (run.json's device_to_host).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from sapiens2_app import inference, models, outputs, safe_io  # noqa: E402
 from sapiens2_app.runtime_info import versions  # noqa: E402
 
 MODEL_SIZE = (1024, 768)
-DEVICE_STAGES = ("preprocess", "postprocess")  # on the model's device: the host's share when it is a GPU is the rest
+# What stays on the host when the model's device is a GPU (preprocess and postprocess run on the device)
 HOST_STAGES = ("decode", "to_host", "render", "encode", "write")
 TASK_SETS = ("seg", "normal", "pose", "seg,normal,pose")
 PHOTOS = ("1080x1440", "1920x1080")  # width x height
