@@ -88,7 +88,11 @@ class Inference:
     def prepare_ahead(self, image: torch.Tensor, item: InputImage | None = None) -> dict:
         """One image's input to each whole-image model (or why it cannot be made), before its batch runs; and its
         pose crops (PoseAhead) when its boxes need no model (`item`: its --boxes entry, else the whole image)."""
-        prepared, (image,) = {}, self.on_device([image])
+        try:
+            (image,) = self.on_device([image])  # once for every task's input
+        except Exception:  # noqa: BLE001 (e.g. out of device memory: made when its batch runs, where it is reported)
+            return {}
+        prepared = {}
         for task in PADDED:
             if task in self.models:
                 try:
