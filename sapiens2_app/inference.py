@@ -87,12 +87,13 @@ class Inference:
 
     def prepare_ahead(self, image: torch.Tensor, item: InputImage | None = None) -> dict:
         """One image's input to each whole-image model (or why it cannot be made), before its batch runs; and its
-        pose crops (PoseAhead) when its boxes need no model (`item`: its --boxes entry, else the whole image)."""
+        pose crops (PoseAhead) when its boxes need no model (`item`: its --boxes entry, else the whole image). Under
+        "image", the image on the device, which the batch uses too (one copy for everything)."""
         try:
-            (image,) = self.on_device([image])  # once for every task's input
+            (image,) = self.on_device([image])
         except Exception:  # noqa: BLE001 (e.g. out of device memory: made when its batch runs, where it is reported)
             return {}
-        prepared = {}
+        prepared = {"image": image}
         for task in PADDED:
             if task in self.models:
                 try:
@@ -346,7 +347,8 @@ def infer(ctx: Inference, items: list[InputImage], images: list[torch.Tensor], p
     image) keeps the others. `prepared`: per image, prepare_ahead's inputs (None: made here)."""
     results = [{"mask": None, "warnings": []} for _ in images]
     prepared = prepared or [{} for _ in images]
-    images = ctx.on_device(images)  # every model's input is made from these, on the device
+    # every model's input is made from these, on the device (the copies made ahead, else copied now)
+    images = ctx.on_device([one.get("image", image) for one, image in zip(prepared, images)])
 
     def ahead(task):
         return [one.get(task) for one in prepared]

@@ -162,6 +162,35 @@ def test_no_device_stage_runs_on_what_crossed_to_the_host(checkpoints, photos, t
     assert len(list(tmp_path.glob("a.*"))) >= 10  # the files were made, from marked results
 
 
+class OnDevice(torch.Tensor):
+    """A photo copied to the model's device (on a CPU the copy is a no-op: the mark makes it visible)."""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_photo_goes_to_the_device_once_for_every_task(checkpoints, photos, tmp_path, monkeypatch, workers):
+    """seg, normal and pose (crops of the whole image), serial and pipelined (inputs made ahead): one copy of each
+    photo, and every model input is made from it."""
+    copies, real_preprocess, real_crops = [], processing.preprocess, processing.preprocess_crops
+
+    def on_device(self, images):
+        copies.extend(image for image in images if not isinstance(image, OnDevice))
+        return [image if isinstance(image, OnDevice) else image.as_subclass(OnDevice) for image in images]
+
+    def from_device_copies(function):
+        def preprocess(images, *args, **kwargs):
+            assert all(isinstance(image, OnDevice) for image in images), "an input made from the host's photo"
+            return function(images, *args, **kwargs)
+        return preprocess
+
+    monkeypatch.setattr(inference.Inference, "on_device", on_device)
+    monkeypatch.setattr(processing, "preprocess", from_device_copies(real_preprocess))
+    monkeypatch.setattr(processing, "preprocess_crops", from_device_copies(real_crops))
+    argv = ["seg,normal,pose", str(photos), "-o", str(tmp_path), "--workers", str(workers), "--detector", "none",
+            "--batch-size", "2", *model_args(checkpoints, ["seg", "normal", "pose"])]
+    assert predict.main(argv) == 0
+    assert len(copies) == len(SIZES)
+
+
 def test_seg_class_maps_are_uint8_up_to_256_classes():
     assert inference.class_map_dtype(29) == torch.uint8 and inference.class_map_dtype(256) == torch.uint8
     assert inference.class_map_dtype(257) == torch.int16  # a fine-tune with more classes keeps its ids (overlay)
