@@ -1,8 +1,8 @@
 """Inference: a batch of images (uint8 (3, H, W) tensors) -> per image, each task's result on the CPU (or the
 TaskFailed of a task that failed on it). Each task runs on its own; a batch that fails is retried image by image.
 
-Everything that is tensor math runs on the model's device: preprocessing (resize, padding, normalisation, person
-crops) and post-processing (upsampling back to the photo, argmax, normalisation, smoothing, heatmap decoding). A
+Everything that is tensor math runs on the model's device, where each decoded photo goes once (Inference.on_device):
+preprocessing (resize, padding, normalisation, person crops) and post-processing (upsampling back to the photo, argmax, normalisation, smoothing, heatmap decoding). A
 result leaves the device at one point, HostCopies (Inference.to_host), and only as what the files need: a class map
 as uint8 (not 29 full-size fp32 maps), the alpha and composite of a matte as uint8, keypoints; it counts the bytes.
 
