@@ -2,9 +2,10 @@
 TaskFailed of a task that failed on it). Each task runs on its own; a batch that fails is retried image by image.
 
 Everything that is tensor math runs on the model's device, where each decoded photo goes once (Inference.on_device):
-preprocessing (resize, padding, normalisation, person crops) and post-processing (upsampling back to the photo, argmax, normalisation, smoothing, heatmap decoding). A
-result leaves the device at one point, HostCopies (Inference.to_host), and only as what the files need: a class map
-as uint8 (not 29 full-size fp32 maps), the alpha and composite of a matte as uint8, keypoints; it counts the bytes.
+preprocessing (resize, padding, normalisation, person crops) and post-processing (upsampling back to the photo,
+argmax, normalisation, smoothing, heatmap decoding). A result leaves the device at one point, HostCopies
+(Inference.to_host), and only as what the files need: a class map as uint8 (not 29 full-size fp32 maps), the alpha
+and composite of a matte as uint8, keypoints; it counts the bytes.
 
 Two steps around the model may happen in other threads, so that the model runs batch after batch: each image's model
 inputs can be made ahead (prepare_ahead, in the decode thread; pose's crops too when its boxes need no model), and a
