@@ -1,6 +1,8 @@
-"""Where predict.py's results leave the model's device (inference.HostCopies): only what the files need crosses, and
-moving the post-processing there left every file of every task byte-identical to what predict.py wrote before
-(commit REFERENCE, run from its own files in a process of its own, on the same checkpoints and photos)."""
+"""The model's device and the host in predict.py (docs/predict.md#where-the-work-runs): every file of every task is
+byte-identical to what predict.py wrote before (commit REFERENCE, run from its own files in a process of its own, on
+the same checkpoints and photos); results leave the device at one point (inference.HostCopies, mocked here) and only
+as what the files need; no preprocessing or post-processing step runs on what crossed; each photo goes to the device
+once. On CUDA only: how far the device's outputs may differ from the CPU's."""
 
 import io
 import json
