@@ -134,9 +134,9 @@ def crossed_in(value) -> bool:
 
 
 def test_no_device_stage_runs_on_what_crossed_to_the_host(checkpoints, photos, tmp_path, monkeypatch):
-    """Every task, pose boxes from the segmentation: results are marked where they leave the device (the boundary,
-    mocked), and no preprocessing or post-processing step is ever given a marked tensor, so with a GPU none of
-    them runs on the host."""
+    """Every task (pose: the whole image): results are marked where they leave the device (the boundary, mocked),
+    and no preprocessing or post-processing step is ever given a marked tensor, so with a GPU none of them runs on
+    the host."""
     real_copy, device_calls = inference.HostCopies.__call__, []
 
     def mark(value):
@@ -156,7 +156,7 @@ def test_no_device_stage_runs_on_what_crossed_to_the_host(checkpoints, photos, t
     monkeypatch.setattr(inference.HostCopies, "__call__", lambda self, value: mark(real_copy(self, value)))
     for name in DEVICE_STAGES:
         monkeypatch.setattr(processing, name, guarded(name, getattr(processing, name)))
-    argv = [ALL_TASKS, str(photos / "a.jpg"), "-o", str(tmp_path), "--workers", "0", "--detector", "seg",
+    argv = [ALL_TASKS, str(photos / "a.jpg"), "-o", str(tmp_path), "--workers", "0", "--detector", "none",
             *model_args(checkpoints, ALL_TASKS.split(","))]
     assert predict.main(argv) == 0
     assert {"preprocess", "preprocess_crops", "postprocess_segmentation", "postprocess_pose", "postprocess_matting",
