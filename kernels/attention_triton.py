@@ -57,11 +57,13 @@ instead of 2).
 
 import math
 import os
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
+from .dispatch import launched_on_device
 from .grid_triton import (aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords,
                           tile_coords)
 
@@ -698,7 +700,7 @@ def _prune_packing(configs, named_args, **kwargs):
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
     """True when K/V tiles can be loaded through TMA tensor descriptors: a Triton with `make_tensor_descriptor`
-    (3.4+), a GPU with the TMA engine (Hopper, compute capability 9+; the CPU interpreter emulates it), and
+    (3.4+), a GPU with the TMA engine (Hopper, compute capability 9.0; the CPU interpreter emulates it), and
     tensors whose heads start on 16-byte boundaries with a unit stride on D (what the copy engine requires) and no
     broadcast (zero) strides."""
     if not hasattr(tl, "make_tensor_descriptor"):
@@ -709,8 +711,10 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
 
 
 def _has_tma_engine(t: torch.Tensor) -> bool:
-    """Compute capability 9 or more (bench/inspect_kernels.py overrides it: it compiles for sm_90a)."""
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
+    """An NVIDIA Hopper GPU, compute capability 9.0 exactly: the TMA configurations are compiled and checked for
+    sm_90a only. ROCm reports its MI300 as 9.4 through the same call, and Blackwell's 10.x has not been checked.
+    (bench/inspect_kernels.py overrides this: it compiles for sm_90a.)"""
+    return torch.version.hip is None and tuple(torch.cuda.get_device_capability(t.device)) == (9, 0)
 
 
 def _ensure_allocator():
@@ -722,8 +726,14 @@ def _ensure_allocator():
         triton.set_allocator(_torch_scratch)
 
 
+# The device of the launch in progress in this thread (_launch sets it): Triton's allocator is told no device.
+_SCRATCH = threading.local()
+
+
 def _torch_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Scratch on the launch's own device (a bare "cuda" would be the current device, cuda:0 unless set)."""
+    device = getattr(_SCRATCH, "device", None) or torch.device("cuda", torch.cuda.current_device())
+    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 # (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
@@ -879,6 +889,7 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
     tma = tma_usable(*streamed)
     if tma and compiled_for_gpu(args[0]):
         _ensure_allocator()
+        _SCRATCH.device = args[0].device
     if blocks is None and compiled_for_gpu(args[0]):
         _TUNED[name, args[0].dtype == torch.float32, tma][grid](*args, **consts)
         return
@@ -892,7 +903,7 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
         raise ValueError("blocks['POLY_EXP2'] is for bf16/fp16 inputs (its exp2 is 7.5e-5 off; fp32 keeps MUFU)")
     if tiles.get("TMA") and not tma:
         raise ValueError(f"blocks['TMA'] is set but {' and '.join(_TMA_OPERANDS[name])} cannot be read through TMA "
-                         "descriptors here (needs triton >= 3.4, a compute capability 9+ GPU, 16-byte-aligned heads)")
+                         "descriptors here (needs triton >= 3.4, an NVIDIA sm_90 GPU, 16-byte-aligned heads)")
     options = {"num_warps": blocks.get("num_warps", 4), "num_stages": blocks.get("num_stages", 2)}
     if blocks.get("maxnreg"):
         options["maxnreg"] = blocks["maxnreg"]
@@ -968,6 +979,7 @@ def num_sms(t: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(t.device).multi_processor_count if compiled_for_gpu(t) else 3
 
 
+@launched_on_device
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
     """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new, (B, N, Hq, D)-contiguous
     viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
@@ -989,6 +1001,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     return o, lse
 
 
+@launched_on_device
 def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
     """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous viewed as (B, H, N, D), or
     the `out` triple."""

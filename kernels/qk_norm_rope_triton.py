@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import launched_on_device
 from .grid_triton import check_image_elements, empty_heads, flat_grid, program_coords
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,6 +319,7 @@ def _head_groups(num_heads: int, heads_per_program: int | None) -> tuple[int, in
     return g, triton.cdiv(num_heads, g)
 
 
+@launched_on_device
 def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, block_n: int | None = None,
                      out=None, heads_per_program: int | None = None):
     """The forward launch (no autograd). Returns (q_out, k_out): new tensors in (B, N, H, D) memory viewed as
@@ -344,6 +346,7 @@ def qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, bloc
     return oq, ok
 
 
+@launched_on_device
 def qk_norm_rope_bwd(q, k, q_weight, k_weight, cos, sin, grad_q, grad_k, eps: float = 1e-6,
                      block_n: int | None = None, out=None, heads_per_program: int | None = None):
     """The backward launch: (dq, dk, dq_weight, dk_weight) for output gradients grad_q, grad_k; dq and dk

@@ -719,7 +719,7 @@ def test_grid_has_no_65535_limit(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# auto dispatch: never slower than SDPA (decision logic with injected timers)
+# fastest: never slower than SDPA (decision logic with injected timers)
 # ----------------------------------------------------------------------------------------------------
 
 import logging  # noqa: E402
@@ -731,6 +731,7 @@ from sapiens2.kernels import dispatch  # noqa: E402
 def fresh_dispatch(monkeypatch):
     monkeypatch.setattr(dispatch, "_DECIDED", {})
     monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_CHECKED", {})
     monkeypatch.delenv("SAPIENS2_KERNELS_CACHE", raising=False)
     monkeypatch.setenv("SAPIENS2_KERNELS", "auto")
     return dispatch
@@ -803,9 +804,10 @@ def test_auto_disk_cache(fresh_dispatch, tmp_path, monkeypatch):
     assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({"tri": 1.0, "sdpa": 3.0}, calls)) == "triton"
 
 
-def test_auto_attention_follows_the_timing(fresh_dispatch, monkeypatch):
-    """kernels.attention in auto mode on (pretend) CUDA tensors runs what the timer found faster; the case key
-    separates inference from training; CPU tensors never time anything."""
+def test_fastest_attention_follows_the_timing(fresh_dispatch, monkeypatch):
+    """kernels.attention under SAPIENS2_KERNELS=fastest on (pretend) CUDA tensors runs what the timer found
+    faster; the case key separates inference from training; CPU tensors never time anything."""
+    monkeypatch.setenv("SAPIENS2_KERNELS", "fastest")
     B, HQ, HKV, N, D = 1, 2, 1, 20, 16
     q, k, v = (bnhd(B, h, N, D, torch.float32, s).contiguous() for h, s in ((HQ, 25), (HKV, 26), (HKV, 27)))
     timed = []
