@@ -307,8 +307,10 @@ class RotaryEmbedding2D(nn.Module):
         if augment:
             return self._tables(h, w, device, dtype, augment=True)
         # Keyed by grad and inference mode too: tables made under torch.inference_mode() are inference tensors,
-        # which a later training step could not save for its backward.
-        key = (h, w, device, dtype, config.rope_dtype, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        # which a later training step could not save for its backward. (torch.compile cannot trace the inference
+        # mode query, and a compiled graph makes no inference tensors.)
+        inference = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+        key = (h, w, device, dtype, config.rope_dtype, torch.is_grad_enabled(), inference)
         if key not in self._cache:
             self._cache[key] = self._tables(h, w, device, dtype, augment=False)
         return self._cache[key]

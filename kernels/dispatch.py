@@ -164,10 +164,10 @@ def run(op_name: str, tensors, triton_impl, reference_impl, probe=None, unsuppor
         (built only when run), for the checked first launch.
     unsupported: why the Triton version cannot serve this call (None: it can).
     race: under `fastest`, a function returning (case key, run_triton, run_torch); timed once per key."""
+    if _compiling() or not use_triton(op_name, triton_impl is not None, *tensors, unsupported=unsupported,
+                                      race=race, probe=probe):
+        return reference_impl()  # traced by torch.compile: the reference, which inductor compiles and fuses
     choice = requested_backend()
-    if not use_triton(op_name, triton_impl is not None, *tensors, unsupported=unsupported, race=race,
-                      probe=probe):
-        return reference_impl()
     if choice == "triton":
         with on_device_of(tensors[0]):
             return triton_impl()
@@ -183,9 +183,11 @@ def run(op_name: str, tensors, triton_impl, reference_impl, probe=None, unsuppor
 def use_triton(op_name: str, has_triton_version: bool, *tensors: torch.Tensor, unsupported: str | None = None,
                race=None, probe=None) -> bool:
     """True when `op_name` should run its Triton implementation on these tensors (see `run`)."""
+    if _compiling():
+        return False  # (first: dynamo cannot trace the context variable that requested_backend reads)
     choice = requested_backend()
-    if choice == "torch" or _compiling():
-        return False  # traced by torch.compile: the reference, which inductor compiles and fuses natively
+    if choice == "torch":
+        return False
     device = launch_device(tensors[0])
     if choice == "triton":
         _require_triton(op_name, has_triton_version, tensors, unsupported, device)
