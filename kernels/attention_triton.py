@@ -212,6 +212,7 @@ def _attn_fwd_kernel(
     N, HQ, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
     BH,  # B * Hq (the batch size is BH // HQ)
+    BH_BUCKET,  # batch_bucket(BH): only an autotuning key
     GROUP: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -451,7 +452,7 @@ def _attn_bwd_dkdv_kernel(
     N, HQ, HKV, GROUP, scale, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    BH,  # B * Hkv; only an autotuning key
+    BH_BUCKET,  # batch_bucket(B * Hkv): only an autotuning key
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,  # load the q and dO tiles through tensor descriptors
@@ -595,6 +596,7 @@ def _attn_bwd_dq_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
     sdqb, sdqh, sdqn, sdqd,
     BH,  # B * Hq (the batch size is BH // HQ)
+    BH_BUCKET,  # batch_bucket(BH): only an autotuning key
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,  # load K/V tiles through tensor descriptors
@@ -796,8 +798,20 @@ _FWD_CONFIGS_FP32 = _fwd_configs([(128, 32, 8, 2), (64, 32, 4, 2)]) + _fwd_confi
 _DKDV_CONFIGS_FP32 = _bwd_configs([(16, 64, 4, 2), (32, 64, 8, 2)])
 _DQ_CONFIGS_FP32 = _bwd_configs([(64, 16, 4, 2), (64, 32, 8, 2)])
 # GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
-# tile (nor the same K/V traffic).
-_KEY = ["N", "BH", "HEAD_DIM", "GROUP"]
+# tile (nor the same K/V traffic). B * H enters bucketed (batch_bucket): a new batch size in the same bucket
+# (the last, smaller batch of a run) reuses the tuned choice instead of timing every configuration again.
+_KEY = ["N", "BH_BUCKET", "HEAD_DIM", "GROUP"]
+
+
+def batch_bucket(rows: int) -> int:
+    """B * H in the autotuning key: below the 132 SMs of an H100/H200 (a grid too small to fill the GPU, where
+    64-row tiles win), or the power of 4 at or above it (132+, 528+, 2112+, ...)."""
+    if rows < 132:
+        return 1
+    bucket = 132
+    while bucket * 4 <= rows:
+        bucket *= 4
+    return bucket
 
 
 def _autotuned(kernel, configs, tma: bool):
@@ -992,7 +1006,8 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     o = _check_out((out,), q)[0] if out is not None else _empty_bnhd(q.shape, q.dtype, q.device)
     lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
     group = HQ // k.shape[1]
-    args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
+    args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ,
+            batch_bucket(B * HQ))
     consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q),
                   UPCAST_DOT=not compiled_for_gpu(q))
     check_image_elements(q, k, v, o)
@@ -1027,11 +1042,12 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
         dv = _empty_bnhd(v.shape, v.dtype, v.device)
     consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not compiled_for_gpu(q))
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), B * HKV)
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), batch_bucket(B * HKV))
     _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_N"]), B * HKV), args,
             consts, blocks)
     args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ)
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ,
+            batch_bucket(B * HQ))
     _launch(_attn_bwd_dq_kernel, "dq", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args,
             consts, blocks)
     return dq, dk, dv

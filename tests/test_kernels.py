@@ -627,6 +627,9 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
         module = sys.modules[module_name]
         original = getattr(module, hook)
         monkeypatch.setattr(module, hook, lambda *a, _f=original, _n=hook: calls.append(_n) or _f(*a))
+    from sapiens2.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_CHECKED", {})  # each op's first-launch check calls its hook once more
     with torch.no_grad():
         monkeypatch.setenv("SAPIENS2_KERNELS", "torch")
         expected = model(x).tokens
@@ -636,7 +639,8 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
     _record(f"model forward {dtype} rope {rope_dtype}", err)
     assert err < (1e-5 if dtype == torch.float32 else 3e-2)
     # the fused path really ran, once per block for each op
-    assert sorted(set(calls)) == ["_attention_triton", "_qk_norm_rope_triton"] and len(calls) == 2 * config.depth
+    assert sorted(set(calls)) == ["_attention_triton", "_qk_norm_rope_triton"]
+    assert len(calls) == 2 * config.depth + len(dispatch.first_launch_results()) == 2 * config.depth + 2
 
 
 # ----------------------------------------------------------------------------------------------------
