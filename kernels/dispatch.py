@@ -347,6 +347,25 @@ def _ramp(t: torch.Tensor) -> torch.Tensor:
     return torch.linspace(-1, 1, t.numel(), device=t.device).reshape(t.shape).to(t.dtype)
 
 
+def guarded_backward() -> bool:
+    """Asked by a Triton op's forward, for its backward: True when a failure there may fall back to the reference
+    (every choice but a forced `triton`, under which a failure is an error)."""
+    return requested_backend() != "triton"
+
+
+def reference_gradients(op_name: str, error: Exception, reference, inputs, leaves: int, grad_outputs):
+    """A Triton backward that raised, in auto or fastest: the gradients of reference(*inputs) with respect to its
+    first `leaves` inputs instead, said once (the forward's values stand: they passed their check)."""
+    _log_once(("backward failed", op_name, type(error).__name__),
+              f"{op_name}: the Triton backward raised {type(error).__name__}: {str(error)[:300]}. The PyTorch "
+              f"reference computes its gradients instead; {REPORT}", logging.WARNING)
+    xs = [t.detach().requires_grad_() for t in inputs[:leaves]]
+    with torch.enable_grad():
+        outs = _as_tuple(reference(*xs, *inputs[leaves:]))
+        used = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None]
+        return torch.autograd.grad([o for o, _ in used], xs, [g for _, g in used], allow_unused=True)
+
+
 def first_launch_results() -> dict[str, str | None]:
     """The families checked so far in this process: None (Triton passed) or what failed."""
     return dict(_CHECKED)

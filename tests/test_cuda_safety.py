@@ -11,6 +11,7 @@ per-model switch, torch.compile, SDPA's head dim padded to 80, and the model's s
 
 import contextlib
 import importlib
+import itertools
 import logging
 import os
 
@@ -121,6 +122,12 @@ def attn_stand_in(breakage=None, calls=None, cuda=None):
     return op
 
 
+def triton_faster():
+    """A timer that runs nothing and says Triton (always timed first) takes 0.5 ms, the reference 1 ms."""
+    times = itertools.cycle([0.5, 1.0])
+    return lambda fn: next(times)
+
+
 def triton_ran(t):
     return getattr(t, "from_stand_in", False)
 
@@ -223,7 +230,7 @@ def test_broken_qk_norm_rope_falls_back_to_the_reference_with_one_line(gpu, monk
 def test_broken_attention_falls_back_to_the_reference_with_one_line(gpu, monkeypatch, caplog, breakage):
     """Attention runs Triton only when forced or timed faster (`fastest`, the timer rigged for Triton here)."""
     monkeypatch.setattr(attention_module, "_attention_triton", attn_stand_in(breakage))
-    monkeypatch.setattr(dispatch, "time_ms", lambda fn: 0.5 if "triton" in repr(fn) else 1.0)
+    monkeypatch.setattr(dispatch, "time_ms", triton_faster())
     monkeypatch.setenv("SAPIENS2_KERNELS", "fastest")
     q, k, v = attn_inputs()
     with caplog.at_level(logging.INFO, logger="sapiens2.kernels"):
@@ -276,6 +283,45 @@ def test_training_checks_the_backward_too(gpu, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="sapiens2.kernels"):
         out = kernels.qk_norm_rope(q.requires_grad_(), k, wq, wk, cos, sin)
     assert not triton_ran(out[0]) and "output 2" in caplog.text and "train" in caplog.text
+
+
+@pytest.mark.parametrize("op", ["qk_norm_rope", "attention"])
+def test_a_failed_backward_takes_the_references_gradients(gpu, monkeypatch, caplog, op):
+    """The real Triton ops (interpreter) pass their check, then a backward launch raises at the call's shape: in
+    auto the gradients are the reference's, said once; forced, the error stands."""
+    triton_module = pytest.importorskip(f"sapiens2.kernels.{op}_triton")
+    launcher = getattr(triton_module, f"{op}_bwd")
+
+    def fails_past_the_check(q, *args, **kwargs):
+        if q.shape[2] > 18:  # the checks' cases have 18 tokens on CPU
+            raise RuntimeError("CUDA error: misaligned address")
+        return launcher(q, *args, **kwargs)
+
+    monkeypatch.setattr(triton_module, f"{op}_bwd", fails_past_the_check)
+    monkeypatch.setenv("SAPIENS2_KERNELS", "fastest")
+    monkeypatch.setattr(dispatch, "time_ms", triton_faster())
+    if op == "qk_norm_rope":
+        q, k, wq, wk, cos, sin = qk_inputs(N=25)
+        inputs, run, reference = (q, k, wq, wk), lambda *x: kernels.qk_norm_rope(*x, cos, sin), \
+            lambda *x: kernels.qk_norm_rope_reference(*x, cos, sin)
+    else:
+        inputs, run, reference = attn_inputs(N=25), kernels.attention, kernels.attention_reference
+
+    def gradients(fn):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return torch.autograd.grad(outs, leaves, [dispatch._ramp(o) for o in outs])
+
+    with caplog.at_level(logging.WARNING, logger="sapiens2.kernels"):
+        got = gradients(run)
+        gradients(run)
+    want = gradients(reference)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert len(caplog.records) == 1 and "misaligned address" in caplog.text and "backward" in caplog.text
+    monkeypatch.setenv("SAPIENS2_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        gradients(run)
 
 
 def test_model_forward_with_a_broken_kernel_is_the_references(gpu, monkeypatch):
