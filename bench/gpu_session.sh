@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU check in ONE command, built for the machine it first runs on (an H200 through the device tool):
+# The whole GPU check in ONE command, built for the machine it first runs on (an H200):
 # one command of at most 10 minutes, at most 8 files back from $OUT, no network, Python 3.12, torch 2.11,
 # triton 3.6, transformers 5.17 (no Sapiens2 in it).
 #
 #   bash bench/fetch_wheels.sh                                                  # here, once: tmp/whl/
-#   run(command="bash bench/gpu_session.sh", carry=["tmp/whl"], timeout_s=600)   # the device tool
+#   bash bench/gpu_session.sh                                                    # there, with tmp/whl beside it
 #   STEPS="sdpa forced" bash bench/gpu_session.sh                              # some steps only
 #
 # Steps, in this order, each in its own process(es) under its own time limit (LIMIT below: with the setup they
