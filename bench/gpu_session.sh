@@ -4,7 +4,7 @@
 # triton 3.6, transformers 5.17 (no Sapiens2 in it).
 #
 #   bash bench/fetch_wheels.sh                                                  # here, once: tmp/whl/
-#   bash bench/gpu_session.sh                                                    # there, with tmp/whl beside it
+#   bash bench/gpu_session.sh                                                   # there, with tmp/whl beside it
 #   STEPS="sdpa forced" bash bench/gpu_session.sh                              # some steps only
 #
 # Steps, in this order, each in its own process(es) under its own time limit (LIMIT below: with the setup they

@@ -387,6 +387,16 @@ def test_auto_is_a_fixed_table_and_times_nothing(gpu, monkeypatch):
     assert calls == [] and dispatch.decisions() == {}
 
 
+def test_autotuning_keys_bucket_the_batch():
+    """Triton's autotuner keys on B x H in buckets, not on B x H: the last, smaller batch of a run (here 8 images
+    then 3, 0.4b's 16 heads) reuses the tuned tiles instead of timing every configuration again."""
+    at = pytest.importorskip("sapiens2.kernels.attention_triton")
+    assert "BH" not in at._KEY and "BH_BUCKET" in at._KEY
+    assert all("BH_BUCKET" in kernel.arg_names for kernel in at._KERNELS.values())
+    assert at.batch_bucket(8 * 16) == at.batch_bucket(3 * 16) == at.batch_bucket(1 * 16)  # below the 132 SMs
+    assert at.batch_bucket(16 * 16) == at.batch_bucket(32 * 16) == 132 != at.batch_bucket(64 * 16)
+
+
 def test_per_model_switch(gpu, monkeypatch):
     """Sapiens2.use_kernels(choice) holds for that model only; an unknown choice is an error at once."""
     calls = []
