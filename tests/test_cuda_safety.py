@@ -324,6 +324,17 @@ def test_a_failed_backward_takes_the_references_gradients(gpu, monkeypatch, capl
         gradients(run)
 
 
+def test_no_check_inside_cuda_graph_capture(gpu, monkeypatch):
+    """During CUDA graph capture nothing can be compared (no host sync): an unchecked family takes the reference
+    and is checked at its first call outside a capture."""
+    calls = []
+    monkeypatch.setattr(qk_module, "_qk_norm_rope_triton", qk_stand_in(calls=calls))
+    monkeypatch.setattr(dispatch, "_undecidable", lambda: True)
+    assert not triton_ran(kernels.qk_norm_rope(*qk_inputs())[0]) and calls == [] and not dispatch._CHECKED
+    monkeypatch.setattr(dispatch, "_undecidable", lambda: False)
+    assert triton_ran(kernels.qk_norm_rope(*qk_inputs())[0]) and len(calls) == 2
+
+
 def test_model_forward_with_a_broken_kernel_is_the_references(gpu, monkeypatch):
     monkeypatch.setattr(qk_module, "_qk_norm_rope_triton", qk_stand_in("wrong"))
     torch.manual_seed(0)
