@@ -28,7 +28,6 @@ from sapiens2.kernels import dispatch  # noqa: E402
 attention_module = importlib.import_module("sapiens2.kernels.attention")
 qk_module = importlib.import_module("sapiens2.kernels.qk_norm_rope")
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA played by stand-ins: CPU only")
 
 
 class CudaStandIn:
@@ -49,6 +48,8 @@ class CudaStandIn:
 @pytest.fixture
 def gpu(monkeypatch):
     """CPU tensors that the dispatch takes for tensors on cuda:1 of a supported NVIDIA GPU (sm_90)."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA played by stand-ins: CPU only (tests/test_cuda_only.py runs on the GPU)")
     stand_in = CudaStandIn()
     for name, value in (("_DECIDED", {}), ("_LOGGED", set()), ("_CHECKED", {}), ("_PLATFORM", {})):
         monkeypatch.setattr(dispatch, name, value)
