@@ -24,6 +24,7 @@ The attention and the q/k-norm+RoPE math live in kernels/ (a PyTorch reference, 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
@@ -68,7 +69,16 @@ class PlainKernels:
 
     @staticmethod
     def attention(q, k, v, scale=None):  # GQA: query head h reads key/value head h // (Hq / Hkv)
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        D, gqa = q.shape[-1], q.shape[1] != k.shape[1]
+        if q.is_cuda and D % 8:  # SDPA's flash/cuDNN need D % 8 == 0: zero columns to 80 (exact), sliced off
+            q, k, v = (F.pad(t, (0, -D % 8)) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5 if scale is None else scale,
+                                                  enable_gqa=gqa)[..., :D]
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+
+    @staticmethod
+    def backend(choice):  # no Triton here: every choice runs the same PyTorch code
+        return contextlib.nullcontext()
 
     @staticmethod
     def attention_probs(q, k, scale=None):  # softmax(q k^T * scale) in fp32 or wider, rounded to q's dtype
@@ -296,10 +306,19 @@ class RotaryEmbedding2D(nn.Module):
         )
         if augment:
             return self._tables(h, w, device, dtype, augment=True)
-        key = (h, w, device, dtype, config.rope_dtype)
+        # Keyed by grad and inference mode too: tables made under torch.inference_mode() are inference tensors,
+        # which a later training step could not save for its backward. (torch.compile cannot trace the inference
+        # mode query, and a compiled graph makes no inference tensors.)
+        inference = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+        key = (h, w, device, dtype, config.rope_dtype, torch.is_grad_enabled(), inference)
         if key not in self._cache:
             self._cache[key] = self._tables(h, w, device, dtype, augment=False)
         return self._cache[key]
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .half(), ...: the cached tables are for the old device and dtype; drop them."""
+        self._cache.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     def _tables(self, h, w, device, dtype, augment: bool):
         args = (self.config.head_dim, self.config.rope_base, h, w, device, self._augment if augment else None)
@@ -424,14 +443,20 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w12(x).chunk(2, dim=-1)  # (B, N, F) each, views of one (B, N, 2F) tensor
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            # (torch.compile fuses silu * up into one kernel anyway; in place would only make it copy)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or observed(self.w12):
+            # (torch.compile fuses silu * up into one kernel anyway; in place would only make it copy. A forward
+            # hook on w12 holds its output: in place would change what the hook saw.)
             return self.w3(ACTIVATIONS[self.act](gate) * up)
         # Eager inference: the same ops in place in w12's output, so the block's peak stays at the 2F it
         # already holds (out of place adds silu's F and the product's F: the largest activations of the model).
         if self.act in ("silu", "swish"):
             return self.w3(F.silu(gate, inplace=True).mul_(up))
         return self.w3(ACTIVATIONS[self.act](gate).mul_(up))
+
+
+def observed(module: nn.Module) -> bool:
+    """True when forward hooks (the module's own or global ones) may hold on to the module's output."""
+    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
 
 
 class DropPath(nn.Module):
@@ -552,6 +577,20 @@ class Sapiens2(nn.Module):
         self.ln1 = RMSNorm(C, config.norm_eps)  # the final norm (original key: ln1.weight)
         self.init_weights()
 
+    # This model's kernel choice (auto, fastest, torch, triton; kernels/dispatch.py), over SAPIENS2_KERNELS, which
+    # stays the default of every other model. None: the environment's.
+    kernel_backend: str | None = None
+
+    def use_kernels(self, choice: str | None) -> "Sapiens2":
+        """Run this model's kernels as under SAPIENS2_KERNELS=choice (None: back to the environment's); returns
+        the model. e.g. model.use_kernels("torch") for the PyTorch references in this model only."""
+        with kernels.backend(choice):  # an unknown choice is an error here, not at the next forward
+            self.kernel_backend = choice
+        return self
+
+    def kernel_choice(self):
+        return kernels.backend(self.kernel_backend) if self.kernel_backend else contextlib.nullcontext()
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02):
         """Truncated-normal init as the original; for training from scratch (loading overwrites it)."""
@@ -608,16 +647,17 @@ class Sapiens2(nn.Module):
         """
         layers = block_indices(layers, self.config.depth, "layers")
         keep_attention = set(block_indices(attentions, self.config.depth, "attentions"))
-        x, h, w = self.embed(pixel_values, mask)
-        rope = self.rope_embed(h, w, x.device, x.dtype)
-        captured, probs = {}, {}
-        for i, block in enumerate(self.blocks):
-            if i in keep_attention:
-                x, probs[i] = block(x, rope, keep_attention=True)
-            else:
-                x = block(x, rope)
-            if i in layers:
-                captured[i] = self.ln1(x) if normalize_layers else x
+        with self.kernel_choice():
+            x, h, w = self.embed(pixel_values, mask)
+            rope = self.rope_embed(h, w, x.device, x.dtype)
+            captured, probs = {}, {}
+            for i, block in enumerate(self.blocks):
+                if i in keep_attention:
+                    x, probs[i] = block(x, rope, keep_attention=True)
+                else:
+                    x = block(x, rope)
+                if i in layers:
+                    captured[i] = self.ln1(x) if normalize_layers else x
         x = self.ln1(x)
         prefix = self.config.num_prefix_tokens
         kept = [captured[i] for i in layers]

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# The whole GPU check in ONE command, built for the machine it first runs on (an H200 through the device tool):
+# The whole GPU check in ONE command, built for the machine it first runs on (an H200):
 # one command of at most 10 minutes, at most 8 files back from $OUT, no network, Python 3.12, torch 2.11,
 # triton 3.6, transformers 5.17 (no Sapiens2 in it).
 #
 #   bash bench/fetch_wheels.sh                                                  # here, once: tmp/whl/
-#   run(command="bash bench/gpu_session.sh", carry=["tmp/whl"], timeout_s=600)   # the device tool
+#   bash bench/gpu_session.sh                                                   # there, with tmp/whl beside it
 #   STEPS="sdpa forced" bash bench/gpu_session.sh                              # some steps only
 #
 # Steps, in this order, each in its own process(es) under its own time limit (LIMIT below: with the setup they
 # sum to under DEADLINE, 540 s). Every row is written to $OUT as it is measured (an atomic rewrite of the JSON),
 # so a step that is killed keeps the rows it wrote, and the next step still runs.
+#   tests     first, before any benchmark: tests/test_cuda_only.py (every configuration the autotuner may pick at
+#             head dims 64/80/76, forward and backward; the checked first launch; a model on cuda:1 if there is
+#             one), then a dozen CUDA tests of tests/test_kernels.py; -v, so the log names each test that passed
+#             even if a later one faults the GPU; the summary counts them
 #   sdpa      attention 0.4b, batch 8, N = 3081, bf16, full-attention and GQA blocks, forward and forward +
 #             backward: the SDPA reference and SDPA's flash / cuDNN / efficient backends (no Triton: these rows
 #             exist even if a Triton kernel later faults the GPU)
@@ -29,7 +33,6 @@
 #             first run)
 #   pipeline  predict.py seg on 32 photos of 1080x1440, batch 8, the real-size 0.4b model (random weights), against
 #             the model alone (issue 24, item 4) -> >= 80% of the model-only rate
-#   tests     a dozen CUDA tests of tests/test_kernels.py covering the variants (tiles pinned: a few compiles each)
 #   compile   the 0.4b backbone under a cold torch.compile(hf), compared with the e2e step's hf outputs: the
 #             slowest job, alone and last, with whatever time is left -> ours-triton >= 1.15x compile(hf)
 # Outputs in $OUT (at most 8 files come back; this writes 5): gpu-session.log, kernels.json, e2e.json,
@@ -43,12 +46,12 @@ PY=${PYTHON:-python3}
 DEADLINE=${DEADLINE:-540}
 MIN_STEP=${MIN_STEP:-8}                 # a step starts only with at least this many seconds left
 LIMIT_DIVISOR=${LIMIT_DIVISOR:-1}       # the CPU rehearsal shrinks every step's limit by this factor
-ALL_STEPS="sdpa forced autotune qk 5b 0.8b e2e pipeline tests compile"
+ALL_STEPS="tests sdpa forced autotune qk 5b 0.8b e2e pipeline predict compile"
 STEPS=${STEPS:-$ALL_STEPS}
 WHEELS=${WHEELS:-tmp/whl}
-# Seconds per step (forced: per variant). With SETUP_LIMIT and 6 forced variants: 519 s (the log prints the sum).
-declare -A LIMIT=([sdpa]=25 [forced]=15 [autotune]=80 [qk]=20 [5b]=35 [0.8b]=35 [e2e]=50 [pipeline]=40 [tests]=40
-                  [compile]=40)
+# Seconds per step (forced: per variant). With SETUP_LIMIT and 6 forced variants: 540 s (the log prints the sum).
+declare -A LIMIT=([tests]=80 [sdpa]=25 [forced]=15 [autotune]=45 [qk]=20 [5b]=35 [0.8b]=35 [e2e]=40 [pipeline]=30
+                  [predict]=56 [compile]=20)
 SETUP_LIMIT=64                          # nvidia-smi 8, wheel install 25, versions 16, forced labels 15
 
 START=$(date +%s)
@@ -81,6 +84,8 @@ CUDA_TESTS=(  # the default forward/backward at D = 80 (0.8b), 76 (5b) and fp32,
     "tests/test_kernels.py::test_qk_norm_rope_forward[dtype6-rope_dtype6-76-1-2-2]"
     "tests/test_kernels.py::test_model_forward_on_triton_kernels_matches_reference[dtype1-bfloat16]"
     "tests/test_kernels.py::test_round_to_bf16_keeps_nan_and_matches_torch"
+    # how far the GPU's post-processing may differ from the CPU's (docs/predict.md)
+    "tests/test_device_boundary.py::test_on_cuda_outputs_differ_from_the_cpu_only_in_their_last_bits"
 )
 
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -137,6 +142,12 @@ done
 say "== plan: limits ${total}s in all (setup ${SETUP_LIMIT}s, forced ${n_forced} x ${LIMIT[forced]}s) of the ${DEADLINE}s deadline; forced: ${FORCED:-none listed}"
 (( total > DEADLINE )) && say "warning: the step limits sum past the deadline: the last steps may not run"
 
+if wanted tests; then
+    run tests "${LIMIT[tests]}" "$PY" -m pytest -p no:cacheprovider -v -rfE tests/test_cuda_only.py "${CUDA_TESTS[@]}"
+    CUDA_TESTS_LINE="CUDA tests: $(grep -cE '^tests/.* PASSED' "$LOG") passed; failed or errors: $(grep -E \
+        '^tests/.* (FAILED|ERROR)' "$LOG" | cut -d' ' -f1 | tr '\n' ' ')"
+    say "== $CUDA_TESTS_LINE"
+fi
 if wanted sdpa; then
     kernels sdpa "${LIMIT[sdpa]}" --presets 0.4b --ops attention --impls sdpa
 fi
@@ -179,21 +190,12 @@ E2E=(bench/e2e.py --device cuda --dtype bf16 --size 1024 768 --models backbone -
 wanted e2e && run e2e "${LIMIT[e2e]}" "$PY" "${E2E[@]}" --impls hf,ours-triton --timeout "${LIMIT[e2e]}"
 wanted pipeline && run pipeline "${LIMIT[pipeline]}" "$PY" bench/pipeline.py --device cuda --real 0.4b --only-real \
     --tasks seg --photos 1080x1440 --images 32 --workers 8 --batch-size 8 --out "$PIPELINE_JSON"
-wanted tests && run tests "${LIMIT[tests]}" "$PY" -m pytest -p no:cacheprovider -rfE "${CUDA_TESTS[@]}"
-# predict    (issue 37) predict.py's photos/s against the model-only rate for seg, pose and normal: 16 photos of
-#            1080x1440 each, batch 8, --workers 8, the real-size 0.4b model (random weights), pre- and
-#            post-processing on the GPU; with each row the host's ms per photo by stage and the bytes that left the
-#            GPU per photo. Each task builds its random 0.4b model three times (alone, warm-up run, timed run), hence
-#            100 s; rows are saved as they come, so a step stopped at its limit keeps the tasks done. Its limit is set
-#            here (not in LIMIT above); it runs by default and with STEPS=predict, and leaves the compile step less.
-PREDICT_LIMIT=${PREDICT_LIMIT:-100}
-if wanted predict || [[ $STEPS == "$ALL_STEPS" ]]; then
-    run predict "$PREDICT_LIMIT" "$PY" bench/pipeline.py --device cuda --real 0.4b --only-real \
-        --tasks seg pose normal --photos 1080x1440 --images 16 --workers 8 --batch-size 8 --out "$DEST/predict.json"
-    # the bounds on how far the GPU's post-processing may differ from the CPU's (docs/predict.md)
-    run device-boundary 30 "$PY" -m pytest -p no:cacheprovider -rfE \
-        "tests/test_device_boundary.py::test_on_cuda_outputs_differ_from_the_cpu_only_in_their_last_bits"
-fi
+# predict: predict.py's photos/s against the model-only rate for seg, pose and normal (16 photos of 1080x1440 each,
+#          batch 8, --workers 8, the real-size 0.4b model with random weights, pre- and post-processing on the GPU);
+#          each row has the host's ms per photo by stage and the bytes that left the GPU per photo. Rows are saved as
+#          they come, so a step stopped at its limit keeps the tasks done.
+wanted predict && run predict "${LIMIT[predict]}" "$PY" bench/pipeline.py --device cuda --real 0.4b --only-real \
+    --tasks seg pose normal --photos 1080x1440 --images 16 --workers 8 --batch-size 8 --out "$DEST/predict.json"
 # The last step takes what is left (at least its own limit): a cold compile of the 0.4b model may need minutes.
 wanted compile && run compile "$(( $(left) > ${LIMIT[compile]} ? $(left) : ${LIMIT[compile]} ))" "$PY" "${E2E[@]}" \
     --impls hf-compile --timeout "$DEADLINE"
@@ -201,6 +203,7 @@ wanted compile && run compile "$(( $(left) > ${LIMIT[compile]} ? $(left) : ${LIM
 rm -f "$DEST"/.*.partial "$DEST"/*.tmp 2>/dev/null   # temporary files of a writer killed mid-write
 say "== summary after $(elapsed)s"
 for line in "${SUMMARY[@]}"; do say "  $line"; done
+[[ -n ${CUDA_TESTS_LINE:-} ]] && say "  $CUDA_TESTS_LINE"
 [[ -n $ABORT ]] && say "  stopped early: $ABORT"
 [[ -n $SAPIENS2_TRITON_EXCLUDE ]] && say "  SAPIENS2_TRITON_EXCLUDE=$SAPIENS2_TRITON_EXCLUDE"
 timeout 20 "$PY" bench/session_report.py summary "$DEST" 2>&1 | sed 's/^/  /' | tee -a "$LOG"

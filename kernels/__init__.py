@@ -7,7 +7,8 @@
 
 Each public function dispatches between its reference (`*_reference`, the definition, used on CPU) and a
 Triton implementation (on CUDA, when one exists and triton imports; kernels/*_triton.py, imported on first
-use only). `SAPIENS2_KERNELS=torch|triton|auto` overrides the choice. See kernels/README.md.
+use only). `SAPIENS2_KERNELS=auto|fastest|torch|triton` sets the choice for the process, `backend(choice)` for the calls
+inside it. See kernels/README.md.
 
 NOTE: keep this file import-light and side-effect free, and never define `__version__` here.
 transformers probes for the Hugging Face hub package that is also called `kernels`; when it finds no
@@ -15,6 +16,7 @@ package metadata it imports whatever `kernels` is first on sys.path and reads it
 one, transformers concludes that this is not the hub package (see tests/test_kernels_name_clash.py).
 """
 
+from .dispatch import backend
 from .attention import attention, attention_probs, attention_reference
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, rms_norm_reference, rope_reference
 
@@ -22,6 +24,7 @@ __all__ = [
     "attention",
     "attention_probs",
     "attention_reference",
+    "backend",
     "qk_norm_rope",
     "qk_norm_rope_reference",
     "rms_norm_reference",

@@ -57,11 +57,15 @@ instead of 2).
 
 import math
 import os
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
+from . import dispatch
+from .attention import attention_reference
+from .dispatch import launched_on_device
 from .grid_triton import (aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords,
                           tile_coords)
 
@@ -210,6 +214,7 @@ def _attn_fwd_kernel(
     N, HQ, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
     BH,  # B * Hq (the batch size is BH // HQ)
+    BH_BUCKET,  # batch_bucket(BH): only an autotuning key
     GROUP: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -449,7 +454,7 @@ def _attn_bwd_dkdv_kernel(
     N, HQ, HKV, GROUP, scale, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    BH,  # B * Hkv; only an autotuning key
+    BH_BUCKET,  # batch_bucket(B * Hkv): only an autotuning key
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,  # load the q and dO tiles through tensor descriptors
@@ -593,6 +598,7 @@ def _attn_bwd_dq_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
     sdqb, sdqh, sdqn, sdqd,
     BH,  # B * Hq (the batch size is BH // HQ)
+    BH_BUCKET,  # batch_bucket(BH): only an autotuning key
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,  # load K/V tiles through tensor descriptors
@@ -698,7 +704,7 @@ def _prune_packing(configs, named_args, **kwargs):
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
     """True when K/V tiles can be loaded through TMA tensor descriptors: a Triton with `make_tensor_descriptor`
-    (3.4+), a GPU with the TMA engine (Hopper, compute capability 9+; the CPU interpreter emulates it), and
+    (3.4+), a GPU with the TMA engine (Hopper, compute capability 9.0; the CPU interpreter emulates it), and
     tensors whose heads start on 16-byte boundaries with a unit stride on D (what the copy engine requires) and no
     broadcast (zero) strides."""
     if not hasattr(tl, "make_tensor_descriptor"):
@@ -709,8 +715,10 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
 
 
 def _has_tma_engine(t: torch.Tensor) -> bool:
-    """Compute capability 9 or more (bench/inspect_kernels.py overrides it: it compiles for sm_90a)."""
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
+    """An NVIDIA Hopper GPU, compute capability 9.0 exactly: the TMA configurations are compiled and checked for
+    sm_90a only. ROCm reports its MI300 as 9.4 through the same call, and Blackwell's 10.x has not been checked.
+    (bench/inspect_kernels.py overrides this: it compiles for sm_90a.)"""
+    return torch.version.hip is None and tuple(torch.cuda.get_device_capability(t.device)) == (9, 0)
 
 
 def _ensure_allocator():
@@ -722,8 +730,14 @@ def _ensure_allocator():
         triton.set_allocator(_torch_scratch)
 
 
+# The device of the launch in progress in this thread (_launch sets it): Triton's allocator is told no device.
+_SCRATCH = threading.local()
+
+
 def _torch_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Scratch on the launch's own device (a bare "cuda" would be the current device, cuda:0 unless set)."""
+    device = getattr(_SCRATCH, "device", None) or torch.device("cuda", torch.cuda.current_device())
+    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 # (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
@@ -786,8 +800,20 @@ _FWD_CONFIGS_FP32 = _fwd_configs([(128, 32, 8, 2), (64, 32, 4, 2)]) + _fwd_confi
 _DKDV_CONFIGS_FP32 = _bwd_configs([(16, 64, 4, 2), (32, 64, 8, 2)])
 _DQ_CONFIGS_FP32 = _bwd_configs([(64, 16, 4, 2), (64, 32, 8, 2)])
 # GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
-# tile (nor the same K/V traffic).
-_KEY = ["N", "BH", "HEAD_DIM", "GROUP"]
+# tile (nor the same K/V traffic). B * H enters bucketed (batch_bucket): a new batch size in the same bucket
+# (the last, smaller batch of a run) reuses the tuned choice instead of timing every configuration again.
+_KEY = ["N", "BH_BUCKET", "HEAD_DIM", "GROUP"]
+
+
+def batch_bucket(rows: int) -> int:
+    """B * H in the autotuning key: below the 132 SMs of an H100/H200 (a grid too small to fill the GPU, where
+    64-row tiles win), or the power of 4 at or above it (132+, 528+, 2112+, ...)."""
+    if rows < 132:
+        return 1
+    bucket = 132
+    while bucket * 4 <= rows:
+        bucket *= 4
+    return bucket
 
 
 def _autotuned(kernel, configs, tma: bool):
@@ -879,6 +905,7 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
     tma = tma_usable(*streamed)
     if tma and compiled_for_gpu(args[0]):
         _ensure_allocator()
+        _SCRATCH.device = args[0].device
     if blocks is None and compiled_for_gpu(args[0]):
         _TUNED[name, args[0].dtype == torch.float32, tma][grid](*args, **consts)
         return
@@ -892,7 +919,7 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
         raise ValueError("blocks['POLY_EXP2'] is for bf16/fp16 inputs (its exp2 is 7.5e-5 off; fp32 keeps MUFU)")
     if tiles.get("TMA") and not tma:
         raise ValueError(f"blocks['TMA'] is set but {' and '.join(_TMA_OPERANDS[name])} cannot be read through TMA "
-                         "descriptors here (needs triton >= 3.4, a compute capability 9+ GPU, 16-byte-aligned heads)")
+                         "descriptors here (needs triton >= 3.4, an NVIDIA sm_90 GPU, 16-byte-aligned heads)")
     options = {"num_warps": blocks.get("num_warps", 4), "num_stages": blocks.get("num_stages", 2)}
     if blocks.get("maxnreg"):
         options["maxnreg"] = blocks["maxnreg"]
@@ -968,6 +995,7 @@ def num_sms(t: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(t.device).multi_processor_count if compiled_for_gpu(t) else 3
 
 
+@launched_on_device
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
     """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new, (B, N, Hq, D)-contiguous
     viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
@@ -980,7 +1008,8 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     o = _check_out((out,), q)[0] if out is not None else _empty_bnhd(q.shape, q.dtype, q.device)
     lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
     group = HQ // k.shape[1]
-    args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ)
+    args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ,
+            batch_bucket(B * HQ))
     consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q),
                   UPCAST_DOT=not compiled_for_gpu(q))
     check_image_elements(q, k, v, o)
@@ -989,6 +1018,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     return o, lse
 
 
+@launched_on_device
 def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
     """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous viewed as (B, H, N, D), or
     the `out` triple."""
@@ -1014,11 +1044,12 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
         dv = _empty_bnhd(v.shape, v.dtype, v.device)
     consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not compiled_for_gpu(q))
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), B * HKV)
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), batch_bucket(B * HKV))
     _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_N"]), B * HKV), args,
             consts, blocks)
     args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ)
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ,
+            batch_bucket(B * HQ))
     _launch(_attn_bwd_dq_kernel, "dq", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args,
             consts, blocks)
     return dq, dk, dv
@@ -1036,12 +1067,19 @@ class FlashAttention(torch.autograd.Function):
         o, lse = attention_fwd(q, k, v, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale = scale
+        ctx.guarded = dispatch.guarded_backward()  # decided now: the backward runs outside the caller's context
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, ctx.scale)
+        try:
+            dq, dk, dv = attention_bwd(q, k, v, o, lse, do, ctx.scale)
+        except Exception as e:  # noqa: BLE001 - auto: a failed launch takes the reference, said once
+            if not ctx.guarded:
+                raise
+            dq, dk, dv = dispatch.reference_gradients("attention", e, attention_reference, (q, k, v, ctx.scale), 3,
+                                                      (do,))
         return dq, dk, dv, None
 
 

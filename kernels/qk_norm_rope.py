@@ -23,7 +23,7 @@ The RMSNorm itself always computes in fp32 and rounds once (torch.nn.RMSNorm's b
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from . import dispatch
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -65,12 +65,31 @@ def _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps):
     return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
 
 
+def _probe(q, k, q_weight, k_weight, cos, sin, eps):
+    """The checked first launch of this call's family (dispatch.checked): a small case with its dtypes and head
+    dim (B = 1, Hq = 2, Hkv = 1, 2 prefix tokens + 16 patches, in (B, N, H, D) memory), on its device."""
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight))
+    D, device = q.shape[-1], q.device
+    family = dispatch.family_key("qk_norm_rope", dispatch.launch_device(q), (q.dtype, cos.dtype), D, training)
+
+    def make_inputs():
+        angles = dispatch.seeded((16, D), torch.float32, device, 3)
+        return (dispatch.bnhd(1, 2, 18, D, q.dtype, device, 1), dispatch.bnhd(1, 1, 18, D, k.dtype, device, 2),
+                1 + dispatch.seeded((D,), torch.float32, device, 4).to(q_weight.dtype) / 4,
+                1 + dispatch.seeded((D,), torch.float32, device, 5).to(k_weight.dtype) / 4,
+                angles.cos().to(cos.dtype), angles.sin().to(sin.dtype), eps)
+
+    run_triton = dispatch.probe_runner(lambda *a: _qk_norm_rope_triton(*a), make_inputs, 4, training)
+    run_reference = dispatch.probe_runner(qk_norm_rope_reference, make_inputs, 4, training)
+    return family, run_triton, run_reference, dispatch.tolerance(q.dtype, cos.dtype)
+
+
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
     """q (B, Hq, N, D), k (B, Hkv, N, D), weights (D,), cos/sin (P, D) -> normalized and rotated (q, k)."""
     # The kernel gives the RoPE tables no gradient (the model's tables are buffers): tables that learn take
     # the reference (auto) or are refused (SAPIENS2_KERNELS=triton).
     tables_learn = cos.requires_grad or sin.requires_grad
     unsupported = "gives cos/sin no gradient, and they require one" if tables_learn else None
-    if use_triton("qk_norm_rope", _qk_norm_rope_triton is not None, q, k, unsupported=unsupported):
-        return _qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
-    return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
+    args = (q, k, q_weight, k_weight, cos, sin, eps)
+    return dispatch.run("qk_norm_rope", (q, k), _qk_norm_rope_triton and (lambda: _qk_norm_rope_triton(*args)),
+                        lambda: qk_norm_rope_reference(*args), probe=lambda: _probe(*args), unsupported=unsupported)

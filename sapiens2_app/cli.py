@@ -98,7 +98,8 @@ def number_in(kind: type, low: float | None = None, high: float | None = None, l
 
 
 def pick_device(name: str | None) -> torch.device:
-    """--device, else cuda:LOCAL_RANK when there is a GPU, else the CPU; a device that is not there is a UsageError."""
+    """--device, else cuda:LOCAL_RANK when there is a GPU, else the CPU; a device that is not there is a UsageError.
+    A CUDA device is made the current one (Triton launches on the current device)."""
     try:
         device = torch.device(name) if name else None
     except RuntimeError:
@@ -113,6 +114,8 @@ def pick_device(name: str | None) -> torch.device:
             raise UsageError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
         if (device.index or 0) >= count:
             raise UsageError(f"device {device} (--device or LOCAL_RANK): only GPUs 0 to {count - 1} are visible")
+        # Made current: Triton launches its kernels, and torch allocates a bare "cuda", on the current device.
+        torch.cuda.set_device(device)
     return device
 
 

@@ -627,6 +627,9 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
         module = sys.modules[module_name]
         original = getattr(module, hook)
         monkeypatch.setattr(module, hook, lambda *a, _f=original, _n=hook: calls.append(_n) or _f(*a))
+    from sapiens2.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_CHECKED", {})  # each op's first-launch check calls its hook once more
     with torch.no_grad():
         monkeypatch.setenv("SAPIENS2_KERNELS", "torch")
         expected = model(x).tokens
@@ -636,7 +639,8 @@ def test_model_forward_on_triton_kernels_matches_reference(rope_dtype, dtype, mo
     _record(f"model forward {dtype} rope {rope_dtype}", err)
     assert err < (1e-5 if dtype == torch.float32 else 3e-2)
     # the fused path really ran, once per block for each op
-    assert sorted(set(calls)) == ["_attention_triton", "_qk_norm_rope_triton"] and len(calls) == 2 * config.depth
+    assert sorted(set(calls)) == ["_attention_triton", "_qk_norm_rope_triton"]
+    assert len(calls) == 2 * config.depth + len(dispatch.first_launch_results()) == 2 * config.depth + 2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -719,7 +723,7 @@ def test_grid_has_no_65535_limit(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# auto dispatch: never slower than SDPA (decision logic with injected timers)
+# fastest: never slower than SDPA (decision logic with injected timers)
 # ----------------------------------------------------------------------------------------------------
 
 import logging  # noqa: E402
@@ -731,6 +735,7 @@ from sapiens2.kernels import dispatch  # noqa: E402
 def fresh_dispatch(monkeypatch):
     monkeypatch.setattr(dispatch, "_DECIDED", {})
     monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_CHECKED", {})
     monkeypatch.delenv("SAPIENS2_KERNELS_CACHE", raising=False)
     monkeypatch.setenv("SAPIENS2_KERNELS", "auto")
     return dispatch
@@ -803,9 +808,10 @@ def test_auto_disk_cache(fresh_dispatch, tmp_path, monkeypatch):
     assert dispatch.faster("case", named("tri"), named("sdpa"), fake_timer({"tri": 1.0, "sdpa": 3.0}, calls)) == "triton"
 
 
-def test_auto_attention_follows_the_timing(fresh_dispatch, monkeypatch):
-    """kernels.attention in auto mode on (pretend) CUDA tensors runs what the timer found faster; the case key
-    separates inference from training; CPU tensors never time anything."""
+def test_fastest_attention_follows_the_timing(fresh_dispatch, monkeypatch):
+    """kernels.attention under SAPIENS2_KERNELS=fastest on (pretend) CUDA tensors runs what the timer found
+    faster; the case key separates inference from training; CPU tensors never time anything."""
+    monkeypatch.setenv("SAPIENS2_KERNELS", "fastest")
     B, HQ, HKV, N, D = 1, 2, 1, 20, 16
     q, k, v = (bnhd(B, h, N, D, torch.float32, s).contiguous() for h, s in ((HQ, 25), (HKV, 26), (HKV, 27)))
     timed = []
