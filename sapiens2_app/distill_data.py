@@ -48,6 +48,8 @@ def list_photos(folder: Path) -> dict[str, Path]:
         return list_images(folder)
     found = {}
     for path in sorted(folder.rglob("*")):
+        if path.relative_to(folder).parts[0] == "val":  # (photos in the folder itself: its val/ is validation's)
+            continue
         if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
             found[path.relative_to(folder).with_suffix("").as_posix()] = path
     if not found:
