@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import train
 from sapiens2 import Sapiens2, Sapiens2Config, heads, weights
 from sapiens2_app import agreement, distill_data, distillation
-from test_train import HEADS, SIZE, checkpoint_tensors, make_dataset, read_log, run_train, tiny_backbone
+from test_train import HEADS, SIZE, checkpoint_tensors, make_dataset, read_log, run_train, tiny_backbone, torchrun
 
 
 def student_backbone(path: Path) -> Path:
@@ -99,16 +99,41 @@ def test_seg_student_comes_to_agree_with_a_frozen_teacher_that_is_never_saved(se
     assert isinstance(weights.load(out), heads.Sapiens2ForSegmentation)  # what predict.py --model OUT loads
 
 
-def test_resume_is_exact_with_a_teacher(seg_teacher, tmp_path):
+RUN = ["--steps", 4, "--batch-size", 2, "--lr", "1e-3", "--eval-every", 0]  # global batch 4 in each form below
+
+
+@pytest.fixture(scope="module")
+def whole_run(seg_teacher, tmp_path_factory):
+    """4 steps in one go, on one process (2 x accumulate 2)."""
     teacher, photos, student = seg_teacher
-    common = ["--steps", 6, "--batch-size", 2, "--accumulate", 2, "--lr", "1e-3", "--eval-every", 0]
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    assert distill("seg", photos, whole, student, teacher, *common) == 0
-    assert distill("seg", photos, split, student, teacher, *common, "--stop-at", 3) == 0
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    assert distill("seg", photos, whole, student, teacher, *RUN, "--accumulate", 2) == 0
+    return whole
+
+
+def test_resume_is_exact_with_a_teacher(seg_teacher, whole_run, tmp_path):
+    teacher, photos, student = seg_teacher
+    split = tmp_path / "split"
+    assert distill("seg", photos, split, student, teacher, *RUN, "--accumulate", 2, "--stop-at", 2) == 0
     assert train.main(["seg", "--data", str(photos), "-o", str(split), "--resume", "--workers", "0",
                        "--no-progress"]) == 0
-    a, b = checkpoint_tensors(whole), checkpoint_tensors(split)
+    a, b = checkpoint_tensors(whole_run), checkpoint_tensors(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_equal_one_with_a_teacher(seg_teacher, whole_run, tmp_path):
+    """2 gloo processes x batch 2 == 1 process x batch 2 x accumulate 2: each process runs its own copy of the
+    teacher on its own samples; the student's weights and optimizer state agree (test_train's tolerance: the
+    gradients are summed in another order)."""
+    teacher, photos, student = seg_teacher
+    torchrun("seg", "--data", photos, "-o", tmp_path / "two", "--model", student, "--teacher", teacher, "--head",
+             HEADS["seg"], "--workers", 0, "--no-progress", "--warmup", 0, "--layer-decay", 1, "--clip-grad", 0, *RUN)
+    one, two = checkpoint_tensors(whole_run), checkpoint_tensors(tmp_path / "two")
+    assert one.keys() == two.keys()
+    noise = [k for k in one if k.startswith("decode_head.conv_layers.") and "bias" in k]  # (test_train's reason)
+    bad = {k: (two[k] - one[k]).abs().max().item() for k in one if k not in noise
+           and not torch.allclose(two[k], one[k], atol=2e-5, rtol=1e-4)}
+    assert not bad, bad
 
 
 # ----------------------------------------------------------------------------------------------------
