@@ -125,9 +125,9 @@ def build_parser(prog: str = "predict.py") -> argparse.ArgumentParser:
     parser.add_argument("--coco-format", choices=formats.COCO_FORMATS, default="coco17",
                         help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), "
                              "keypoints308, model (the pose model's own keypoints, for a fine-tune with its own set)")
-    parser.add_argument("--training-data", metavar="DIR", help="also write the predictions as a training set in "
-                        "train.py's layout (DIR/train/images/, masks/, normals/, ..., annotations.json; "
-                        "docs/training.md#pseudo-labels)")
+    parser.add_argument("--training-data", metavar="DIR", help="also write the predictions as training sets in "
+                        "train.py's layout, one per task (DIR/TASK/train/images/ + masks/, normals/, ..., "
+                        "annotations.json; docs/training.md#distillation)")
     clips = parser.add_argument_group("videos (.mp4 .mov .avi .mkv .webm .m4v inputs; needs PyAV: pip install av)")
     clips.add_argument("--every", type=int, default=1, metavar="N", help="every Nth frame (default: all)")
     clips.add_argument("--start", type=int, default=0, metavar="S", help="first frame index (zero-based)")
@@ -220,9 +220,10 @@ def run(args, argv: list[str]) -> int:
     inference = Inference(tasks, loaded, device, dtype, batch_size, args.size, args.flip, args.mask_with_seg, boxes,
                           person_detector, seg_boxes=person_detector is None and boxes_from != "none",
                           resample=conventions["resample"])
+    training_data = TrainingData(Path(args.training_data), tasks, loaded) if args.training_data else None
     outputs = Outputs(out, tasks, args.save, loaded, names,
                       coco=formats.CocoResults(args.coco_format, keypoint_names(loaded["pose"].model)) if coco else None,
-                      training_data=TrainingData(Path(args.training_data), tasks, loaded) if args.training_data else None)
+                      training_data=training_data)
     readable = [item for item in mine if item not in unreadable]
     clips, settings = [item for item in readable if is_video(item.path)], video_settings(args, outputs)
     if args.skip_existing and (removed := remove_stale_temporaries(out)):

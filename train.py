@@ -5,6 +5,7 @@
     python train.py pose --data my_pose/ --model 0.4b -o runs/pose1 --epochs 50      # a new head on the backbone
     torchrun --nproc-per-node 8 train.py normal --data my_normals/ --model 1b -o runs/n1 --fsdp
     python train.py seg --data my_seg/ -o runs/seg1 --resume                       # continue where it stopped
+    python train.py seg --teacher seg-1b --model 0.1b --data photos/ -o runs/s01   # distill: photos, no labels
 
 Data formats: sapiens2_app/datasets.py and docs/training.md. Scale-out is PyTorch's: torchrun + DDP, or
 FSDP2 (`fully_shard`) with --fsdp. `--batch-size` is per process; the global batch is batch x processes x
@@ -18,7 +19,8 @@ This file is the command and the run's outline (setup, then the loop); the parts
 datasets (datasets.py, pose_dataset.py, dataset_files.py, dense_augmentation.py, pose_augmentation.py,
 random_draws.py, pixel_augmentation.py, targets.py), what each process reads (data_loading.py), the model it starts
 from (starting_model.py), the processes (distributed.py), the optimizer and schedule (optimization.py), the
-checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py, dense_metrics.py).
+checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py, dense_metrics.py); with --teacher, the teacher,
+its targets and losses (distillation.py), the photos (distill_data.py) and the agreement metrics (agreement.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from sapiens2 import PRESETS, heads, processing
 from sapiens2_app import (dataset_files, datasets, distill_data, distillation, distributed, optimization,
                           pose_dataset, starting_model, train_checkpoints)
+from sapiens2_app.agreement import NAMES as AGREEMENT_NAMES
 from sapiens2_app.agreement import Agreement
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
@@ -145,8 +148,10 @@ def metrics_help() -> str:
     pose = f"{', '.join(COCO_KEYPOINT_STATS)} (with OKS sigmas), pck@0.05; on the flip test's heatmaps"
     names = "\n".join(textwrap.fill(f"{task}: {pose if task == 'pose' else ', '.join(dense_metric_names(task))}",
                                      110, initial_indent="  ", subsequent_indent="    ") for task in heads.TASKS)
+    agreement = "; ".join(f"{task}: {', '.join(names)}" for task, names in AGREEMENT_NAMES.items())
     return ('\n\nvalidation metrics (log.jsonl "eval"), the original evaluators\' names and numbers first, extras '
-            f"after:\n{names}")
+            f"after:\n{names}\nwith --teacher, the agreement with it (and the above where val/ has labels):\n"
+            + textwrap.fill(agreement, 110, initial_indent="  ", subsequent_indent="  "))
 
 
 def parse_head(text: str) -> list[list[int]]:
@@ -344,7 +349,8 @@ class Run:
         if teacher is not None:  # distillation: the photos of --data, the teacher's outputs as targets
             self.distiller = distillation.Distiller(distillation.Teacher(teacher, args.task, size), args.task,
                                                     distillation.parse_weights(args.task, args.distill_weights))
-            people = distill_data.people_file(self.out, Path(args.data), args, dist_info) if args.task == "pose" else None
+            pose = args.task == "pose"
+            people = distill_data.people_file(self.out, Path(args.data), args, dist_info) if pose else None
             self.train_set, self.val_set, self.val_labelled = distill_data.build_datasets(
                 args.task, Path(args.data), size, args.augment, self.info, people)
             self.note(distillation.describe(self.distiller, args.teacher, people))

@@ -3,6 +3,7 @@
     nice python bench/distill.py                                  # seg, CPU, 512x384 and 1024x768
     python bench/distill.py --device cuda --dtype bf16 --reps 20  # adds images/s on a GPU
     python bench/distill.py --skip 1b@1024x768                    # FLOPs only for that pair (minutes per call on CPU)
+    python bench/distill.py --teachers 0.4b --sizes 512x384 --onnx  # adds the student exported to ONNX (fp32)
 
 Every model gets random weights with the released architecture (heads.py's presets; nothing is downloaded); the
 0.1b student has the head train.py gives it (heads.default_head: the 0.4b head, its widths scaled by 768 / 1024).
@@ -10,6 +11,9 @@ Per model and input size: parameters, FLOPs (bench/e2e_models.py's count_flops: 
 conv plus 4 N^2 d per attention head), the median latency of `--reps` calls after `--warmup` (bench/e2e_measure.py's
 time_calls) and, on CPU, the peak of the bytes the call allocated (cpu_allocation_peak_mb, beside the weights); on
 CUDA, torch.cuda.max_memory_allocated. Then each teacher's cost over the student's, as ratios of time and of FLOPs.
+`--onnx`: the student also exported by export.py (fp32 ONNX, a subprocess: commands are not imported) and timed in
+onnxruntime on CPU (its default threads), with its largest difference from the eager output. export.py has no
+quantized (int8) option yet, so no int8 row.
 Results: bench/results/distill-<device>.json and .md (device, versions and the load average beside the numbers: a
 shared machine slows every row).
 """
@@ -20,7 +24,9 @@ import argparse
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -28,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))  # after the root, so bench/kernels.py cannot shadow kernels/
 
-from sapiens2 import Sapiens2Config, heads  # noqa: E402
+from sapiens2 import Sapiens2Config, heads, weights  # noqa: E402
 from e2e_measure import cpu_allocation_peak_mb, device_name, device_slug, time_calls  # noqa: E402
 from e2e_models import DTYPES, count_flops  # noqa: E402
 from sapiens2_app import safe_io  # noqa: E402
@@ -70,6 +76,7 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--warmup", type=int, default=0, help="untimed calls first (CPU: none needed)")
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--onnx", action="store_true", help="also the student exported to ONNX, in onnxruntime")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -90,6 +97,8 @@ def main(argv=None):
                 print(f"{row['model']} {size_text}: {row['median_ms']:.0f} ms", file=sys.stderr)
             del model
             rows.append(row)
+        if args.onnx:
+            rows.append(onnx_row(size, size_text, args))
     add_ratios(rows)
     data = {"device": device_name(args.device), "dtype": args.dtype, "versions": versions(),
             "load_average_at_end": os.getloadavg(), "rows": rows}
@@ -100,12 +109,38 @@ def main(argv=None):
     print(markdown(data))
 
 
+def onnx_row(size, size_text: str, args) -> dict:
+    """The student (random weights, seed 0) through export.py --format onnx, timed in onnxruntime on CPU."""
+    import numpy as np
+    import onnxruntime
+
+    torch.manual_seed(0)
+    model = build(STUDENT, args.task, size).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        source, path = pathlib.Path(folder) / "student", pathlib.Path(folder) / "student.onnx"
+        weights.save(model, source)
+        subprocess.run([sys.executable, str(ROOT / "export.py"), args.task, "--model", str(source), "--format", "onnx",
+                        "-o", str(path), "--size", size_text], check=True)
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        pixels = torch.rand(1, 3, *size)
+        feed = {session.get_inputs()[0].name: pixels.numpy()}
+        times = time_calls(lambda: session.run(None, feed), "cpu", args.warmup, args.reps)
+        with torch.inference_mode():
+            eager = next(iter(vars(model(pixels)).values())).numpy()  # the first output (seg: logits)
+        difference = float(np.abs(session.run(None, feed)[0] - eager).max())
+    print(f"{args.task}-{STUDENT} ONNX {size_text}: {statistics.median(times):.0f} ms", file=sys.stderr)
+    return {"model": f"{args.task}-{STUDENT} ONNX fp32 (onnxruntime)", "size": "onnx", "input": size_text,
+            "params": sum(p.numel() for p in model.parameters()), "flops": None, "times_ms": times,
+            "median_ms": statistics.median(times), "images_per_s": 1e3 / statistics.median(times),
+            "max_abs_difference_from_eager": difference}
+
+
 def add_ratios(rows: list[dict]):
     """Each row's cost over the student's at the same input: FLOPs, and time where both were timed."""
     students = {row["input"]: row for row in rows if row["size"] == STUDENT}
     for row in rows:
         student = students[row["input"]]
-        row["flops_ratio"] = row["flops"] / student["flops"]
+        row["flops_ratio"] = row["flops"] / student["flops"] if row["flops"] else None
         if "median_ms" in row and "median_ms" in student:
             row["time_ratio"] = row["median_ms"] / student["median_ms"]
 
@@ -118,11 +153,19 @@ def markdown(data: dict) -> str:
     for row in data["rows"]:
         timed = "median_ms" in row
         lines.append(
-            f"| {row['model']} | {row['input']} | {row['params'] / 1e6:.1f} M | {row['flops'] / 1e9:.0f} | "
-            f"{row['median_ms']:.0f} | {row['images_per_s']:.2f} | {row['peak_mb']:.0f} | " if timed else
-            f"| {row['model']} | {row['input']} | {row['params'] / 1e6:.1f} M | {row['flops'] / 1e9:.0f} | - | - | - | ")
-        lines[-1] += (f"{row['time_ratio']:.2f} | " if "time_ratio" in row else "- | ") + f"{row['flops_ratio']:.2f} |"
+            f"| {row['model']} | {row['input']} | {row['params'] / 1e6:.1f} M | {number(row['flops'], '.0f', 1e9)} | "
+            f"{row['median_ms']:.0f} | {row['images_per_s']:.2f} | {number(row.get('peak_mb'), '.0f')} | " if timed
+            else f"| {row['model']} | {row['input']} | {row['params'] / 1e6:.1f} M | "
+                 f"{number(row['flops'], '.0f', 1e9)} | - | - | - | ")
+        lines[-1] += f"{number(row.get('time_ratio'), '.2f')} | {number(row['flops_ratio'], '.2f')} |"
+    onnx = [row for row in data["rows"] if "max_abs_difference_from_eager" in row]
+    lines += [f"\n{row['model']} at {row['input']}: largest difference from eager "
+              f"{row['max_abs_difference_from_eager']:.1e}" for row in onnx]
     return "\n".join(lines) + "\n"
+
+
+def number(value, spec: str, unit: float = 1.0) -> str:
+    return "-" if value is None else format(value / unit, spec)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from sapiens2 import heads, processing, weights
 from sapiens2.losses import MATTING_LOSSES, gradient_l2, keypoint_mse_loss, masked_pixel_mean
 from sapiens2_app import detector
 from sapiens2_app.cli import UsageError
+from sapiens2_app.dataset_files import known_keypoint_set
 
 
 
@@ -74,8 +75,9 @@ def add_arguments(parser):
                            for task, terms in DEFAULT_WEIGHTS.items()) + ")")
     group.add_argument("--boxes", metavar="FILE", help="pose: person boxes, JSON {\"image.jpg\": [[x, y, w, h], "
                        "...]} (as predict.py); photos without an entry use the detector")
-    group.add_argument("--detector", default=detector.DEFAULT_DETECTOR, metavar="SOURCE", help="pose: the D-FINE person "
-                       f"detector that finds the people in the photos (default {detector.DEFAULT_DETECTOR})")
+    group.add_argument("--detector", default=detector.DEFAULT_DETECTOR, metavar="SOURCE",
+                       help="pose: the D-FINE person detector that finds the people in the photos (default "
+                       f"{detector.DEFAULT_DETECTOR})")
 
 
 def describe(distiller: "Distiller", source: str, people: dict | None) -> str:
@@ -114,8 +116,6 @@ def load_teacher(source: str, task: str, device: torch.device) -> heads.Sapiens2
 
 def teacher_info(task: str, teacher: heads.Sapiens2ForTask) -> dict:
     """What the student's head needs, from the teacher (train.py's dataset_info for unlabeled photos)."""
-    from sapiens2_app.dataset_files import known_keypoint_set  # (the data layer, only for pose's sigmas)
-
     count = teacher.head_config.out_channels
     info = {"out_channels": count}
     if task == "seg":
@@ -212,7 +212,8 @@ def normal_distill_loss(student, teacher, w):
     pred, target = student.normals.float(), teacher.normals
     every = torch.ones_like(pred[:, :1])
     cosine = (F.normalize(pred, dim=1, eps=1e-6) * target).sum(1, keepdim=True)
-    loss = w["cosine"] * masked_pixel_mean(1 - cosine, every) + w["l1"] * masked_pixel_mean((pred - target).abs(), every)
+    loss = (w["cosine"] * masked_pixel_mean(1 - cosine, every)
+            + w["l1"] * masked_pixel_mean((pred - target).abs(), every))
     if w["gradient"]:
         loss = loss + w["gradient"] * sum(gradient_l2(pred, target, every))
     return loss

@@ -93,8 +93,9 @@ class TrainingData:
                 flat = entry["keypoints"]
                 keypoints = [v for x, y, s in zip(flat[0::3], flat[1::3], flat[2::3])
                              for v in (x, y, 2 if s >= VISIBLE_SCORE else 0)]
-                self.coco_people.append({"id": len(self.coco_people), "image_id": image_id, "bbox": entry["bbox"],
-                                         "keypoints": keypoints, "iscrowd": 0, "area": entry["bbox"][2] * entry["bbox"][3],
+                x, y, w, h = entry["bbox"]
+                self.coco_people.append({"id": len(self.coco_people), "image_id": image_id, "bbox": [x, y, w, h],
+                                         "keypoints": keypoints, "iscrowd": 0, "area": w * h,
                                          "num_keypoints": sum(1 for v in keypoints[2::3] if v > 0)})
 
     def finish(self):
