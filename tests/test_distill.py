@@ -150,7 +150,7 @@ class FixedDetector:
         return [torch.tensor([[4.0, 6.0, 30.0, 44.0, 0.9]])]
 
 
-def test_pose_on_unlabeled_photos_finds_its_people_with_the_detector(tmp_path, monkeypatch):
+def test_pose_on_unlabeled_photos_finds_its_people_with_the_detector(tmp_path, monkeypatch, capsys):
     root = tmp_path
     data = make_dataset("pose", root / "data", count=4)
     assert run_train("pose", data, root / "teacher", tiny_backbone(root), "--steps", 2) == 0
@@ -172,6 +172,13 @@ def test_pose_on_unlabeled_photos_finds_its_people_with_the_detector(tmp_path, m
                    "--boxes", boxes) == 0
     people = json.loads((root / "boxes_run" / distill_data.PEOPLE_FILE).read_text())
     assert people["train"]["boxes_from"] == {"boxes-file": 4} and fake.calls == 8
+    # a teacher of another task, or a loss term the task lacks: one line naming the option, before any training
+    capsys.readouterr()
+    assert distill("seg", photos, root / "bad", student_backbone(root), root / "teacher", "--steps", 1) == 2
+    assert "error: --teacher " in capsys.readouterr().err
+    assert distill("pose", photos, root / "bad", student_backbone(root), root / "teacher", "--steps", 1,
+                   "--distill-weights", "kl=1") == 2
+    assert "error: --distill-weights kl=1: pose has no term 'kl'; its terms: mse=10" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------
