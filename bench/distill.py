@@ -9,8 +9,10 @@ Every model gets random weights with the released architecture (heads.py's prese
 0.1b student has the head train.py gives it (heads.default_head: the 0.4b head, its widths scaled by 768 / 1024).
 Per model and input size: parameters, FLOPs (bench/e2e_models.py's count_flops: 2 per multiply-add, every linear and
 conv plus 4 N^2 d per attention head), the median latency of `--reps` calls after `--warmup` (bench/e2e_measure.py's
-time_calls) and, on CPU, the peak of the bytes the call allocated (cpu_allocation_peak_mb, beside the weights); on
-CUDA, torch.cuda.max_memory_allocated. Then each teacher's cost over the student's, as ratios of time and of FLOPs.
+time_calls) and, on CPU, the median CPU time of the same calls (time.process_time: what the call consumed, which
+other processes on a shared machine do not inflate as they do the wall time) and the peak of the bytes the call
+allocated (cpu_allocation_peak_mb, beside the weights); on CUDA, torch.cuda.max_memory_allocated. Then each
+teacher's cost over the student's, as ratios: of CPU time on CPU (of wall time on CUDA), and of FLOPs.
 `--onnx`: the student also exported by export.py (fp32 ONNX, a subprocess: commands are not imported) and timed in
 onnxruntime on CPU (its default threads), with its largest difference from the eager output. export.py has no
 quantized (int8) option yet, so no int8 row.
@@ -27,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -53,9 +56,17 @@ def measure(model, size, args) -> dict:
     dtype = DTYPES[args.dtype]
     model = model.to(args.device, dtype).eval()
     pixels = torch.rand(1, 3, *size, device=args.device, dtype=dtype)
+    cpu_seconds = []
+
+    def call():
+        start = time.process_time()
+        model(pixels)
+        cpu_seconds.append(time.process_time() - start)
     with torch.inference_mode():
-        times = time_calls(lambda: model(pixels), args.device, args.warmup, args.reps)
+        times = time_calls(call, args.device, args.warmup, args.reps)
         row = {"times_ms": times, "median_ms": statistics.median(times)}
+        if args.device != "cuda":
+            row["median_cpu_s"] = statistics.median(cpu_seconds[args.warmup:])
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             model(pixels)
@@ -69,7 +80,7 @@ def measure(model, size, args) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="seg", choices=heads.TASKS)
-    parser.add_argument("--teachers", default="0.4b,1b")
+    parser.add_argument("--teachers", default="0.4b,1b", help="comma-separated sizes ('' for none)")
     parser.add_argument("--sizes", default="512x384,1024x768", help="input sizes HxW")
     parser.add_argument("--skip", default="", help="MODEL@HxW pairs to count but not time, comma-separated")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +99,7 @@ def main(argv=None):
     rows = []
     for size_text in args.sizes.split(","):
         size = tuple(int(v) for v in size_text.split("x"))
-        for name in [STUDENT, *args.teachers.split(",")]:
+        for name in [STUDENT, *filter(None, args.teachers.split(","))]:
             row = {"model": f"{args.task}-{name}", "size": name, "input": size_text,
                    **count_flops(name, args.task, 1, size, args.dtype, build)}
             model = build(name, args.task, size)
@@ -96,7 +107,8 @@ def main(argv=None):
             row["weights_mb"] = sum(p.numel() for p in model.parameters()) * DTYPES[args.dtype].itemsize / 2**20
             if f"{name}@{size_text}" not in skip:
                 row.update(measure(model, size, args))
-                print(f"{row['model']} {size_text}: {row['median_ms']:.0f} ms", file=sys.stderr)
+                print(f"{row['model']} {size_text}: {row['median_ms']:.0f} ms, {row.get('median_cpu_s', 0):.1f} CPU s",
+                      file=sys.stderr)
             del model
             rows.append(row)
         if args.onnx:
@@ -126,7 +138,13 @@ def onnx_row(size, size_text: str, args) -> dict:
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         pixels = torch.rand(1, 3, *size)
         feed = {session.get_inputs()[0].name: pixels.numpy()}
-        times = time_calls(lambda: session.run(None, feed), "cpu", args.warmup, args.reps)
+        cpu_seconds = []
+
+        def call():
+            start = time.process_time()
+            session.run(None, feed)
+            cpu_seconds.append(time.process_time() - start)
+        times = time_calls(call, "cpu", args.warmup, args.reps)
         with torch.inference_mode():
             eager = next(iter(vars(model(pixels)).values())).numpy()  # the first output (seg: logits)
         difference = float(np.abs(session.run(None, feed)[0] - eager).max())
@@ -134,6 +152,7 @@ def onnx_row(size, size_text: str, args) -> dict:
     return {"model": f"{args.task}-{STUDENT} ONNX fp32 (onnxruntime)", "size": "onnx", "input": size_text,
             "params": sum(p.numel() for p in model.parameters()), "flops": None, "times_ms": times,
             "median_ms": statistics.median(times), "images_per_s": 1e3 / statistics.median(times),
+            "median_cpu_s": statistics.median(cpu_seconds[args.warmup:]),
             "max_abs_difference_from_eager": difference}
 
 
@@ -143,22 +162,24 @@ def add_ratios(rows: list[dict]):
     for row in rows:
         student = students[row["input"]]
         row["flops_ratio"] = row["flops"] / student["flops"] if row["flops"] else None
-        if "median_ms" in row and "median_ms" in student:
-            row["time_ratio"] = row["median_ms"] / student["median_ms"]
+        key = "median_cpu_s" if "median_cpu_s" in student else "median_ms"
+        if key in row and key in student:
+            row["time_ratio"] = row[key] / student[key]
 
 
 def markdown(data: dict) -> str:
     lines = [f"{data['device']}, {data['dtype']}, torch {data['versions']['torch']}, load average at the end "
              f"{data['load_average_at_end'][0]:.1f}", "",
-             "| model | input | params | GFLOPs | ms (median) | images/s | peak MiB (allocated by the call) | "
-             "x student (time) | x student (FLOPs) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | input | params | GFLOPs | ms (median) | CPU s (median) | images/s | peak MiB (allocated by the "
+             "call) | x student (CPU time, or time on GPU) | x student (FLOPs) |", "|---" * 10 + "|"]
     for row in data["rows"]:
         timed = "median_ms" in row
         lines.append(
             f"| {row['model']} | {row['input']} | {row['params'] / 1e6:.1f} M | {number(row['flops'], '.0f', 1e9)} | "
-            f"{row['median_ms']:.0f} | {row['images_per_s']:.2f} | {number(row.get('peak_mb'), '.0f')} | " if timed
+            f"{row['median_ms']:.0f} | {number(row.get('median_cpu_s'), '.1f')} | {row['images_per_s']:.2f} | "
+            f"{number(row.get('peak_mb'), '.0f')} | " if timed
             else f"| {row['model']} | {row['input']} | {row['params'] / 1e6:.1f} M | "
-                 f"{number(row['flops'], '.0f', 1e9)} | - | - | - | ")
+                 f"{number(row['flops'], '.0f', 1e9)} | - | - | - | - | ")
         lines[-1] += f"{number(row.get('time_ratio'), '.2f')} | {number(row['flops_ratio'], '.2f')} |"
     onnx = [row for row in data["rows"] if "max_abs_difference_from_eager" in row]
     lines += [f"\n{row['model']} at {row['input']}: largest difference from eager "
