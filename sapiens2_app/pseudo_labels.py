@@ -121,7 +121,7 @@ def target_file(task: str, value, mask: torch.Tensor | None):
         return array
     if task == "matting":
         return Image.fromarray(processing.float_to_uint8(value["alpha"][0]).numpy())
-    rgb = processing.albedo_to_uint8(value).permute(1, 2, 0).numpy()  # albedo
-    if mask is None:
-        return Image.fromarray(rgb)
+    if mask is None:  # albedo: as NAME.albedo.png, zero outside the mask, which becomes the alpha channel
+        return Image.fromarray(processing.albedo_to_uint8(value).permute(1, 2, 0).numpy())
+    rgb = processing.albedo_to_uint8(value * mask).permute(1, 2, 0).numpy()
     return Image.fromarray(np.concatenate([rgb, mask.numpy()[..., None].astype(np.uint8) * 255], -1), "RGBA")

@@ -23,7 +23,8 @@ def predicted(checkpoints, tmp_path_factory):  # noqa: F811
     boxes = root / "boxes.json"
     boxes.write_text(json.dumps({"a.jpg": [[5, 10, 40, 60], [0, 0, 20, 20]], "b.png": [[10, 5, 30, 40]]}))
     assert predict.main([",".join(TASKS), str(images), "-o", str(root / "out"), "--boxes", str(boxes), "--save",
-                         "raw,json", "--training-data", str(root / "data"), *model_args(checkpoints, TASKS)]) == 0
+                         "raw,json", "--mask-with-seg", "--training-data", str(root / "data"),
+                         *model_args(checkpoints, TASKS)]) == 0
     return root / "out", root / "data"
 
 
@@ -41,17 +42,22 @@ def test_dense_targets_read_back_as_predicted(task, predicted):
             written = np.array(Image.open(out / f"{name}.seg.png"))
             assert np.array_equal(target[0].numpy(), written.astype(np.float32))
         elif task in ("normal", "pointmap"):
-            written = np.load(out / f"{name}.{task}.npy")
-            expected = written if task == "pointmap" else written / (np.linalg.norm(written, axis=-1, keepdims=True)
-                                                                    + 1e-6)  # (the loader's renormalization)
+            written = np.load(out / f"{name}.{task}.npy")  # NaN outside the person (--mask-with-seg)
+            valid = np.isfinite(written).all(-1)
+            assert 0 < valid.mean() < 1  # (both kinds of pixel are there to check)
+            expected = np.where(valid[..., None], written, 0.0)
+            if task == "normal":  # (the loader's renormalization)
+                expected = expected / (np.linalg.norm(expected, axis=-1, keepdims=True) + 1e-6)
             assert np.array_equal(target.permute(1, 2, 0).numpy(), expected.astype(np.float32))
-            assert mask.bool().all()  # no --mask-with-seg: every pixel predicted, every pixel valid
+            assert np.array_equal(mask[0].numpy(), valid.astype(np.float32))
         elif task == "matting":
             written = np.array(Image.open(out / f"{name}.alpha.png"))
             assert np.array_equal(target[0].numpy(), written.astype(np.float32) / 255)
-        else:
+        else:  # RGB as NAME.albedo.png, the person's mask as the valid pixels
             written = np.array(Image.open(out / f"{name}.albedo.png"))
             assert np.array_equal(target.permute(1, 2, 0).numpy(), written.astype(np.float32) / 255)
+            seg = np.array(Image.open(out / f"{name}.seg.png"))
+            assert np.array_equal(mask[0].numpy() > 0, seg > 0) and 0 < (seg > 0).mean() < 1
     if task == "seg":
         assert info["class_names"] == json.loads((data / "classes.json").read_text())
 
