@@ -8,7 +8,6 @@ import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -32,7 +31,7 @@ def photos_only(data: Path, root: Path) -> Path:
         target = root if split == "train" else root / "val"
         target.mkdir(parents=True, exist_ok=True)
         for image in (data / split / "images").iterdir():
-            shutil.copy(image, target / (image.name if split == "train" else image.name))
+            shutil.copy(image, target / image.name)
     return root
 
 
