@@ -99,14 +99,14 @@ def test_seg_student_comes_to_agree_with_a_frozen_teacher_that_is_never_saved(se
 
 
 def test_normal_student_angle_to_the_teacher_falls_over_2x(tmp_path):
-    """The same for normals: a teacher trained 30 steps on labelled rectangles, frozen; the student's mean angle to
-    it at the start (measured 87 degrees) and after 30 steps on the photos (31)."""
+    """The same for normals: a teacher trained 20 steps on labelled rectangles, frozen; the student's mean angle to
+    it at the start (measured 85 degrees) and after 20 steps on the photos (34)."""
     data = make_dataset("normal", tmp_path / "data", count=6)
-    assert run_train("normal", data, tmp_path / "teacher", tiny_backbone(tmp_path), "--steps", 30, "--lr", "3e-3",
+    assert run_train("normal", data, tmp_path / "teacher", tiny_backbone(tmp_path), "--steps", 20, "--lr", "3e-3",
                      "--eval-every", 0, "--layer-decay", "1", "--clip-grad", "0") == 0
     photos, student = photos_only(data, tmp_path / "photos"), student_backbone(tmp_path)
     angle = {}
-    for name, extra in (("start", ["--steps", 1, "--lr", "1e-12"]), ("end", ["--steps", 30, "--lr", "3e-3"])):
+    for name, extra in (("start", ["--steps", 1, "--lr", "1e-12"]), ("end", ["--steps", 20, "--lr", "3e-3"])):
         assert distill("normal", photos, tmp_path / name, student, tmp_path / "teacher", "--eval-every", 0,
                        *extra) == 0
         angle[name] = [r["eval"] for r in read_log(tmp_path / name) if "eval" in r][-1]["agree_angle_deg"]
