@@ -41,6 +41,7 @@ from sapiens2_app.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, ModelCho
                                  random_banner)
 from sapiens2_app.outputs import Outputs, prepare_output_folder
 from sapiens2_app.pipeline import Run, StopRun, failure_report
+from sapiens2_app.pseudo_labels import TrainingData
 from sapiens2_app.reporting import (Progress, finish_manifest, manifest_path, manifest_reserve, utc_now,
                                     write_final_manifest, write_manifest)
 from sapiens2_app.runtime_info import versions
@@ -124,6 +125,9 @@ def build_parser(prog: str = "predict.py") -> argparse.ArgumentParser:
     parser.add_argument("--coco-format", choices=formats.COCO_FORMATS, default="coco17",
                         help="keypoints of --save coco: coco17 (COCO body, default), coco_wholebody (133), "
                              "keypoints308, model (the pose model's own keypoints, for a fine-tune with its own set)")
+    parser.add_argument("--training-data", metavar="DIR", help="also write the predictions as training sets in "
+                        "train.py's layout, one per task (DIR/TASK/train/images/ + masks/, normals/, ..., "
+                        "annotations.json; docs/training.md#distillation)")
     clips = parser.add_argument_group("videos (.mp4 .mov .avi .mkv .webm .m4v inputs; needs PyAV: pip install av)")
     clips.add_argument("--every", type=int, default=1, metavar="N", help="every Nth frame (default: all)")
     clips.add_argument("--start", type=int, default=0, metavar="S", help="first frame index (zero-based)")
@@ -187,6 +191,8 @@ def run(args, argv: list[str]) -> int:
     if not coco and not any(kinds & args.save for task in tasks for kinds in ARTEFACTS[task].values()):
         raise UsageError(f"--save {','.join(sorted(args.save))} writes nothing for {','.join(tasks)}")
     rank, world = rank_and_world()
+    if args.training_data and world > 1:
+        raise UsageError("--training-data writes one annotations.json: run it in one process")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     batch_size = args.batch_size or (4 if device.type == "cuda" else 1)
@@ -214,8 +220,10 @@ def run(args, argv: list[str]) -> int:
     inference = Inference(tasks, loaded, device, dtype, batch_size, args.size, args.flip, args.mask_with_seg, boxes,
                           person_detector, seg_boxes=person_detector is None and boxes_from != "none",
                           resample=conventions["resample"])
+    training_data = TrainingData(Path(args.training_data), tasks, loaded) if args.training_data else None
     outputs = Outputs(out, tasks, args.save, loaded, names,
-                      coco=formats.CocoResults(args.coco_format, keypoint_names(loaded["pose"].model)) if coco else None)
+                      coco=formats.CocoResults(args.coco_format, keypoint_names(loaded["pose"].model)) if coco else None,
+                      training_data=training_data)
     readable = [item for item in mine if item not in unreadable]
     clips, settings = [item for item in readable if is_video(item.path)], video_settings(args, outputs)
     if args.skip_existing and (removed := remove_stale_temporaries(out)):
@@ -252,6 +260,8 @@ def run(args, argv: list[str]) -> int:
         unfinished = [clip for clip in clips if clip.relative not in manifest.get("videos", {})]
         finish_manifest(manifest, pipeline, todo + unfinished, skipped=skipped, elapsed=time.perf_counter() - start,
                         rate=progress.rate(), stopped=stopped)
+        if outputs.training_data is not None:
+            outputs.training_data.finish()
         if outputs.coco is not None:
             pending = set(todo)
             try:

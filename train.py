@@ -5,6 +5,7 @@
     python train.py pose --data my_pose/ --model 0.4b -o runs/pose1 --epochs 50      # a new head on the backbone
     torchrun --nproc-per-node 8 train.py normal --data my_normals/ --model 1b -o runs/n1 --fsdp
     python train.py seg --data my_seg/ -o runs/seg1 --resume                       # continue where it stopped
+    python train.py seg --teacher seg-1b --model 0.1b --data photos/ -o runs/s01   # distill: photos, no labels
 
 Data formats: sapiens2_app/datasets.py and docs/training.md. Scale-out is PyTorch's: torchrun + DDP, or
 FSDP2 (`fully_shard`) with --fsdp. `--batch-size` is per process; the global batch is batch x processes x
@@ -18,7 +19,8 @@ This file is the command and the run's outline (setup, then the loop); the parts
 datasets (datasets.py, pose_dataset.py, dataset_files.py, dense_augmentation.py, pose_augmentation.py,
 random_draws.py, pixel_augmentation.py, targets.py), what each process reads (data_loading.py), the model it starts
 from (starting_model.py), the processes (distributed.py), the optimizer and schedule (optimization.py), the
-checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py, dense_metrics.py).
+checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py, dense_metrics.py); with --teacher, the teacher,
+its targets and losses (distillation.py), the photos (distill_data.py) and the agreement metrics (agreement.py).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from pathlib import Path
 import torch
 
 from sapiens2 import PRESETS, heads, processing
-from sapiens2_app import (dataset_files, datasets, distributed, optimization, pose_dataset, starting_model,
-                          train_checkpoints)
+from sapiens2_app import (dataset_files, datasets, distill_data, distillation, distributed, optimization,
+                          pose_dataset, starting_model, train_checkpoints)
+from sapiens2_app.agreement import NAMES as AGREEMENT_NAMES
+from sapiens2_app.agreement import Agreement
 from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
 from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
 from sapiens2_app.dense_metrics import Metric, dense_metric_names
@@ -130,6 +134,7 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=number_in(int, 0, MAX_SEED), default=0, help="of the sample order, the "
                    "augmentations and a new head (default 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    distillation.add_arguments(p)
     p.add_argument("--random-init", choices=RANDOM_INIT, default="never",
                    help="start from random weights instead of --model's checkpoint: 'fallback' when its download "
                         "fails, 'always' without trying (offline smoke tests; --model names the size)")
@@ -143,8 +148,10 @@ def metrics_help() -> str:
     pose = f"{', '.join(COCO_KEYPOINT_STATS)} (with OKS sigmas), pck@0.05; on the flip test's heatmaps"
     names = "\n".join(textwrap.fill(f"{task}: {pose if task == 'pose' else ', '.join(dense_metric_names(task))}",
                                      110, initial_indent="  ", subsequent_indent="    ") for task in heads.TASKS)
+    agreement = "; ".join(f"{task}: {', '.join(names)}" for task, names in AGREEMENT_NAMES.items())
     return ('\n\nvalidation metrics (log.jsonl "eval"), the original evaluators\' names and numbers first, extras '
-            f"after:\n{names}")
+            f"after:\n{names}\nwith --teacher, the agreement with it (and the above where val/ has labels):\n"
+            + textwrap.fill(agreement, 110, initial_indent="  ", subsequent_indent="  "))
 
 
 def parse_head(text: str) -> list[list[int]]:
@@ -266,11 +273,13 @@ def forward_loss(model, batch: dict, task: str):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
+def evaluate(model, dataset, args, info, dist_info: Distributed, distiller=None, labelled: bool = True) -> dict:
+    """val/'s metrics (when it has labels), and with a teacher (distiller) the agreement with it (agreement.py)."""
     model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     model.eval()
     pose = args.task == "pose"
-    metric = PoseEvaluation(info, dataset.people) if pose else Metric(args.task, info)
+    metric = (PoseEvaluation(info, dataset.people) if pose else Metric(args.task, info)) if labelled else None
+    agreement = Agreement(args.task, info, getattr(dataset, "people", None)) if distiller else None
     rows = list(eval_batches(len(dataset), args.batch_size, dist_info))
     loader = data_loader(dataset, [[(i, 0) for i in indices] for indices, _ in rows], args.workers)
     with Batches(loader) as batches:
@@ -279,13 +288,19 @@ def evaluate(model, dataset, args, info, dist_info: Distributed) -> dict:
             with autocast(args, dist_info.device):
                 # pose: the original's val_cfg flip_test=True, the mean of the crop's heatmaps and its mirror's
                 output = model.flip_test(pixels) if pose else model(pixels)
-            if pose:
+                if agreement:
+                    agreement.update(output, distiller.teacher_outputs(pixels), batch, valid, indices)
+            if pose and metric:
                 metric.update(output, batch, valid, indices)  # one row per person: gathered by its index
-            else:
+            elif metric:
                 metric.update(output, batch, valid)
-    metric.sums = dist_info.all_reduce(metric.sums)
+    results = {}
+    for part in (metric, agreement):
+        if part is not None:
+            part.sums = dist_info.all_reduce(part.sums)
+            results.update(part.result())
     model.train()
-    return metric.result()
+    return results
 
 
 class Run:
@@ -312,7 +327,10 @@ class Run:
         if dist_info.main:
             check_output_folder(self.out)
         processing.check_data_files()  # an incomplete installation stops here, before the data and the model
-        self.info = datasets.dataset_info(args.task, Path(args.data))
+        self.distiller = None
+        teacher = distillation.setup_teacher(args, dist_info.device) if args.teacher else None
+        self.info = distillation.teacher_info(args.task, teacher) if teacher else datasets.dataset_info(
+            args.task, Path(args.data))
         if args.task == "pose" and (warning := dataset_files.inferred_pairs_warning(self.info)):
             self.note(warning)  # a set of its own without flip_pairs: say what the name rule paired
         saved = read_state(self.out) if args.resume else {}
@@ -327,8 +345,18 @@ class Run:
         if self.random and dist_info.main:
             print(starting_model.random_banner(args.task, args.random_init), file=sys.stderr)
         size = tuple(model.config.image_size)
-        self.train_set = datasets.build_dataset(args.task, Path(args.data), "train", size, args.augment, self.info)
-        self.val_set = datasets.build_dataset(args.task, Path(args.data), "val", size, False, self.info)
+        self.val_labelled = True
+        if teacher is not None:  # distillation: the photos of --data, the teacher's outputs as targets
+            self.distiller = distillation.Distiller(distillation.Teacher(teacher, args.task, size), args.task,
+                                                    distillation.parse_weights(args.task, args.distill_weights))
+            pose = args.task == "pose"
+            people = distill_data.people_file(self.out, Path(args.data), args, dist_info) if pose else None
+            self.train_set, self.val_set, self.val_labelled = distill_data.build_datasets(
+                args.task, Path(args.data), size, args.augment, self.info, people)
+            self.note(distillation.describe(self.distiller, args.teacher, people))
+        else:
+            self.train_set = datasets.build_dataset(args.task, Path(args.data), "train", size, args.augment, self.info)
+            self.val_set = datasets.build_dataset(args.task, Path(args.data), "val", size, False, self.info)
         if getattr(self.train_set, "dropped", None):
             self.note(f"train/ people left out as the original's loaders do: "
                       f"{pose_dataset.describe_dropped(self.train_set.dropped)}")
@@ -428,7 +456,8 @@ class Run:
                 saved = self.save(done, stop_signals)
             # after the save: a bad val/ file (found only when read) then costs no training
             if self.val_set is not None and ((args.eval_every and done % args.eval_every == 0) or done == self.total):
-                metrics = evaluate(self.model, self.val_set, args, self.info, dist_info)
+                metrics = evaluate(self.model, self.val_set, args, self.info, dist_info, self.distiller,
+                                   self.val_labelled)
                 log.write({"step": done, "eval": metrics})
                 progress.note(f"eval at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if stopping:
@@ -465,7 +494,10 @@ class Run:
             model.set_requires_gradient_sync(last)
         skip_sync = not last and hasattr(model, "no_sync")  # DDP
         with (model.no_sync() if skip_sync else contextlib.nullcontext()), autocast(args, self.dist.device):
-            loss = forward_loss(model, batch, args.task).loss / args.accumulate
+            if self.distiller is not None:  # the teacher's outputs on the same augmented pixels are the targets
+                loss = self.distiller.loss(model, batch["pixel_values"]) / args.accumulate
+            else:
+                loss = forward_loss(model, batch, args.task).loss / args.accumulate
         loss.backward()
         return loss.detach().float().item()
 

@@ -101,7 +101,8 @@ def subsample(t: torch.Tensor, max_elements: int = 1 << 20) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 
 
-def count_flops(preset: str, model: str, batch: int, size: tuple[int, int], dtype: str) -> dict:
+def count_flops(preset: str, model: str, batch: int, size: tuple[int, int], dtype: str, build=None) -> dict:
+    """build(preset, model, size): the model to count (default build_ours)."""
     elt = torch.finfo(DTYPES[dtype]).bits // 8
     totals = {"linear": 0, "conv": 0, "attention": 0, "bytes": 0}
 
@@ -127,7 +128,7 @@ def count_flops(preset: str, model: str, batch: int, size: tuple[int, int], dtyp
         totals["bytes"] += B * N * D * (2 * mod.num_heads + 2 * mod.num_kv_heads) * elt
 
     with torch.device("meta"):
-        m = build_ours(preset, model, size)
+        m = (build or build_ours)(preset, model, size)
         for mod in m.modules():
             if isinstance(mod, torch.nn.Linear):
                 mod.register_forward_hook(linear_hook)

@@ -33,6 +33,7 @@ class Outputs:
     models: dict[str, LoadedModel]
     names: dict[InputImage, str]
     coco: formats.CocoResults | None = None
+    training_data: object | None = None  # --training-data: pseudo_labels.TrainingData, fed by commit()
 
     def stem(self, item: InputImage) -> Path:
         """OUT/NAME, the output name of `item` (its files add their suffixes)."""
@@ -90,6 +91,8 @@ class Outputs:
         pose_ok = isinstance(result.get("pose"), dict) and not any(task == "pose" for task, _ in failures)
         if self.coco is not None and pose_ok:
             self.coco.add(self.names[item], item.relative, result["pose"]["people"])
+        if self.training_data is not None:
+            self.training_data.add(self.names[item], item, result, {task for task, _ in failures})
         return values, failures
 
     def write_files(self, item: InputImage, files: dict):

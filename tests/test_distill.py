@@ -1,0 +1,293 @@
+"""train.py --teacher (sapiens2_app/distillation.py, distill_data.py, agreement.py) on tiny models: a student distilled
+from a briefly trained, then frozen, teacher on photos without labels comes to agree with it; the teacher sees the
+student's augmented pixels, stays frozen and unsaved; resume is exact; pose finds its people with the detector; the
+agreement metrics equal a direct computation."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from sapiens2 import Sapiens2, Sapiens2Config, heads, weights
+from sapiens2_app import agreement, distill_data, distillation
+from test_train import HEADS, SIZE, checkpoint_tensors, make_dataset, read_log, run_train, tiny_backbone, torchrun
+
+
+def student_backbone(path: Path) -> Path:
+    """A backbone initialized differently from the teacher's (seed 5, not 0)."""
+    torch.manual_seed(5)
+    config = Sapiens2Config(32, 2, 2, full_attention_first=1, full_attention_last=1, image_size=SIZE)
+    return weights.save(Sapiens2(config), path / "student_backbone.safetensors")
+
+
+def photos_only(data: Path, root: Path) -> Path:
+    """train/ and val/ images of a dataset, in a folder without any label (train photos flat in the folder)."""
+    for split in ("train", "val"):
+        target = root if split == "train" else root / "val"
+        target.mkdir(parents=True, exist_ok=True)
+        for image in (data / split / "images").iterdir():
+            shutil.copy(image, target / image.name)
+    return root
+
+
+def distill(task, data, out, student, teacher, *extra):
+    args = [task, "--data", data, "-o", out, "--model", student, "--teacher", teacher, "--head", HEADS[task],
+            "--workers", "0", "--no-progress", "--batch-size", "4", "--warmup", "0", "--layer-decay", "1",
+            "--clip-grad", "0", *extra]
+    return train.main([str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def seg_teacher(tmp_path_factory):
+    """A seg teacher trained for 30 steps on labelled rectangles (a random head's argmax is a per-patch pattern a
+    differently initialized student barely learns in a CPU budget), then frozen; the photos without labels."""
+    root = tmp_path_factory.mktemp("seg_teacher")
+    data = make_dataset("seg", root / "data", count=6)
+    assert run_train("seg", data, root / "teacher", tiny_backbone(root), "--steps", 30, "--lr", "3e-3",
+                     "--eval-every", 0, "--layer-decay", "1", "--clip-grad", "0") == 0
+    return root / "teacher", photos_only(data, root / "photos"), student_backbone(root)
+
+
+def test_seg_student_comes_to_agree_with_a_frozen_teacher_that_is_never_saved(seg_teacher, tmp_path, monkeypatch):
+    teacher, photos, student = seg_teacher
+    teacher_bytes = (teacher / "model.safetensors").read_bytes()
+    # the student at its start: one step at a learning rate too small to move it
+    assert distill("seg", photos, tmp_path / "start", student, teacher, "--steps", 1, "--lr", "1e-12") == 0
+    before = [r["eval"] for r in read_log(tmp_path / "start") if "eval" in r][-1]
+
+    calls = []  # (model, pixels) of every seg forward: the teacher's and the student's of each step
+    forward = heads.Sapiens2ForSegmentation.forward
+    monkeypatch.setattr(heads.Sapiens2ForSegmentation, "forward",
+                        lambda self, pixels, **kw: calls.append((self, pixels.clone())) or forward(self, pixels, **kw))
+    loaded = []
+    load = distillation.load_teacher
+    monkeypatch.setattr(distillation, "load_teacher", lambda *a: loaded.append(load(*a)) or loaded[-1])
+    out = tmp_path / "student"
+    steps = 40
+    assert distill("seg", photos, out, student, teacher, "--steps", steps, "--lr", "3e-3", "--eval-every", 0,
+                   "--save-every", 0) == 0  # augmentation on
+    after = [r["eval"] for r in read_log(out) if "eval" in r][-1]
+    assert before["agree_pixels"] < 70 and after["agree_pixels"] >= 80, (before, after)
+    assert after["agree_mIoU"] > before["agree_mIoU"] + 15, (before, after)
+    assert "mIoU" not in after  # photos without labels: agreement only
+
+    # the teacher saw exactly the student's (augmented) pixels, first, in the same step
+    (model,) = loaded
+    training = [(m, p) for m, p in calls[: 2 * steps]]
+    for (first, seen), (second, learned) in zip(training[::2], training[1::2]):
+        assert first is model and second is not model and torch.equal(seen, learned)
+    assert not torch.equal(training[0][1], training[2][1])  # (different batches: the pairing means something)
+    # frozen, in eval mode, unchanged (in memory and on disk)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    on_disk = weights.load(teacher).state_dict()
+    assert all(torch.equal(v, on_disk[k]) for k, v in model.state_dict().items())
+    assert (teacher / "model.safetensors").read_bytes() == teacher_bytes
+    # nothing of the teacher in the student's files: the same tensors a fine-tune saves, none equal to the teacher's
+    saved, teacher_file = checkpoint_tensors(out), load_file(str(teacher / "model.safetensors"))
+    student_keys = set(load_file(str(out / "model.safetensors")))
+    assert student_keys == set(teacher_file)  # one model's tensors (the same architecture), not two
+    learned = [k for k in student_keys if k.endswith((".weight", ".bias")) and saved[k].numel() > 1]  # (no buffers)
+    assert learned and not [k for k in learned if torch.equal(saved[k], teacher_file[k])]
+    moments = sum(v.numel() for k, v in saved.items() if k.startswith("state/") and v.numel() > 1)
+    assert moments == 2 * sum(p.numel() for p in model.parameters())  # Adam's two moments of one model's parameters
+    assert isinstance(weights.load(out), heads.Sapiens2ForSegmentation)  # what predict.py --model OUT loads
+
+
+def test_normal_student_angle_to_the_teacher_falls_over_2x(tmp_path):
+    """The same for normals: a teacher trained 20 steps on labelled rectangles, frozen; the student's mean angle to
+    it at the start (measured 85 degrees) and after 20 steps on the photos (34)."""
+    data = make_dataset("normal", tmp_path / "data", count=6)
+    assert run_train("normal", data, tmp_path / "teacher", tiny_backbone(tmp_path), "--steps", 20, "--lr", "3e-3",
+                     "--eval-every", 0, "--layer-decay", "1", "--clip-grad", "0") == 0
+    photos, student = photos_only(data, tmp_path / "photos"), student_backbone(tmp_path)
+    angle = {}
+    for name, extra in (("start", ["--steps", 1, "--lr", "1e-12"]), ("end", ["--steps", 20, "--lr", "3e-3"])):
+        assert distill("normal", photos, tmp_path / name, student, tmp_path / "teacher", "--eval-every", 0,
+                       *extra) == 0
+        angle[name] = [r["eval"] for r in read_log(tmp_path / name) if "eval" in r][-1]["agree_angle_deg"]
+    assert angle["end"] < angle["start"] / 2, angle
+
+
+RUN = ["--steps", 4, "--batch-size", 2, "--lr", "1e-3", "--eval-every", 0]  # global batch 4 in each form below
+
+
+@pytest.fixture(scope="module")
+def whole_run(seg_teacher, tmp_path_factory):
+    """4 steps in one go, on one process (2 x accumulate 2)."""
+    teacher, photos, student = seg_teacher
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    assert distill("seg", photos, whole, student, teacher, *RUN, "--accumulate", 2) == 0
+    return whole
+
+
+def test_resume_is_exact_with_a_teacher(seg_teacher, whole_run, tmp_path):
+    teacher, photos, student = seg_teacher
+    split = tmp_path / "split"
+    assert distill("seg", photos, split, student, teacher, *RUN, "--accumulate", 2, "--stop-at", 2) == 0
+    assert train.main(["seg", "--data", str(photos), "-o", str(split), "--resume", "--workers", "0",
+                       "--no-progress"]) == 0
+    a, b = checkpoint_tensors(whole_run), checkpoint_tensors(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_equal_one_with_a_teacher(seg_teacher, whole_run, tmp_path):
+    """2 gloo processes x batch 2 == 1 process x batch 2 x accumulate 2: each process runs its own copy of the
+    teacher on its own samples; the student's weights and optimizer state agree (test_train's tolerance: the
+    gradients are summed in another order)."""
+    teacher, photos, student = seg_teacher
+    torchrun("seg", "--data", photos, "-o", tmp_path / "two", "--model", student, "--teacher", teacher, "--head",
+             HEADS["seg"], "--workers", 0, "--no-progress", "--warmup", 0, "--layer-decay", 1, "--clip-grad", 0, *RUN)
+    one, two = checkpoint_tensors(whole_run), checkpoint_tensors(tmp_path / "two")
+    assert one.keys() == two.keys()
+    noise = [k for k in one if k.startswith("decode_head.conv_layers.") and "bias" in k]  # (test_train's reason)
+    bad = {k: (two[k] - one[k]).abs().max().item() for k in one if k not in noise
+           and not torch.allclose(two[k], one[k], atol=2e-5, rtol=1e-4)}
+    assert not bad, bad
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pose: people from the detector
+# ----------------------------------------------------------------------------------------------------
+class FixedDetector:
+    """Stands in for D-FINE: one person box per image, at a known place (what predict.py's rules then keep)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, images):
+        self.calls += 1
+        return [torch.tensor([[4.0, 6.0, 30.0, 44.0, 0.9]])]
+
+
+def test_pose_on_unlabeled_photos_finds_its_people_with_the_detector(tmp_path, monkeypatch, capsys):
+    root = tmp_path
+    data = make_dataset("pose", root / "data", count=4)
+    assert run_train("pose", data, root / "teacher", tiny_backbone(root), "--steps", 2) == 0
+    photos = photos_only(data, root / "photos")
+    fake = FixedDetector()
+    monkeypatch.setattr(distill_data, "load_detector", lambda source, device: fake)
+    out = root / "student"
+    assert distill("pose", photos, out, student_backbone(root), root / "teacher", "--steps", 2) == 0
+    people = json.loads((out / distill_data.PEOPLE_FILE).read_text())
+    assert fake.calls == 8  # 4 train + 4 val photos
+    assert people["train"]["boxes_from"] == {"detector": 4}
+    assert [a["bbox"] for a in people["train"]["annotations"]] == [[4.0, 6.0, 30.0, 44.0]] * 4
+    final = [r["eval"] for r in read_log(out) if "eval" in r][-1]
+    assert set(final) == {"agree_distance_px", "agree_AP"} and all(math.isfinite(v) for v in final.values())
+    # --boxes wins over the detector, as in predict.py
+    boxes = root / "boxes.json"
+    boxes.write_text(json.dumps({f"p{i}.png": [[1, 2, 20, 40]] for i in range(4)}))
+    assert distill("pose", photos, root / "boxes_run", student_backbone(root), root / "teacher", "--steps", 1,
+                   "--boxes", boxes) == 0
+    people = json.loads((root / "boxes_run" / distill_data.PEOPLE_FILE).read_text())
+    assert people["train"]["boxes_from"] == {"boxes-file": 4} and fake.calls == 8
+    # a teacher of another task, or a loss term the task lacks: one line naming the option, before any training
+    capsys.readouterr()
+    assert distill("seg", photos, root / "bad", student_backbone(root), root / "teacher", "--steps", 1) == 2
+    assert "error: --teacher " in capsys.readouterr().err
+    assert distill("pose", photos, root / "bad", student_backbone(root), root / "teacher", "--steps", 1,
+                   "--distill-weights", "kl=1") == 2
+    assert "error: --distill-weights kl=1: pose has no term 'kl'; its terms: mse=10" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Targets, losses and metrics on known inputs
+# ----------------------------------------------------------------------------------------------------
+def test_agreement_metrics_equal_a_direct_computation():
+    gen = torch.Generator().manual_seed(0)
+    valid = torch.tensor([1, 1, 0])  # the last row is padding: it must not count
+    # seg: 3 classes on 2 x 4 x 5 pixels
+    s_logits, t_logits = torch.randn(3, 3, 4, 5, generator=gen), torch.randn(3, 3, 4, 5, generator=gen)
+    metric = agreement.Agreement("seg", {"out_channels": 3})
+    metric.update(heads.SegOutput(s_logits), heads.SegOutput(t_logits), {}, valid)
+    s, t = s_logits[:2].argmax(1), t_logits[:2].argmax(1)
+    ious = [((s == c) & (t == c)).double().sum() / ((s == c) | (t == c)).double().sum() for c in range(3)
+            if ((s == c) | (t == c)).any()]
+    result = metric.result()
+    # float64 counts and ratios on both sides: equal up to the last bits of the division's rounding
+    assert result["agree_pixels"] == pytest.approx(100 * (s == t).double().mean().item(), rel=1e-12)
+    assert result["agree_mIoU"] == pytest.approx(100 * torch.stack(ious).mean().item(), rel=1e-12)
+
+    # normal: the angle between unit vectors, mean over the valid rows' pixels
+    a, b = torch.randn(3, 3, 4, 5, generator=gen), torch.randn(3, 3, 4, 5, generator=gen)
+    metric = agreement.Agreement("normal", {})
+    metric.update(heads.NormalOutput(a), heads.NormalOutput(b), {}, valid)
+    cos = torch.nn.functional.cosine_similarity(a[:2].double(), b[:2].double(), dim=1).clamp(-1, 1)
+    # fp32 unit vectors: the angle is good to ~1e-5 degrees (acos' slope near +-1 magnifies rounding)
+    assert metric.result()["agree_angle_deg"] == pytest.approx(torch.rad2deg(torch.acos(cos)).mean().item(), abs=1e-3)
+
+    # pointmap: relative error of the metric depths Z / scale, where the teacher's depth is positive
+    za, zb = torch.rand(3, 3, 4, 5, generator=gen) + 0.5, torch.rand(3, 3, 4, 5, generator=gen) - 0.2
+    sa, sb = torch.tensor([[2.0], [1.0], [3.0]]), torch.tensor([[1.0], [4.0], [1.0]])
+    metric = agreement.Agreement("pointmap", {})
+    metric.update(heads.PointmapOutput(za, sa), heads.PointmapOutput(zb, sb), {}, valid)
+    ds, dt = za[:2, 2] / sa[:2].view(-1, 1, 1), zb[:2, 2] / sb[:2].view(-1, 1, 1)
+    keep = dt > 0
+    expected = ((ds - dt).abs() / dt)[keep].double().mean().item()
+    assert metric.result()["agree_depth_rel"] == pytest.approx(expected, rel=1e-6)  # fp32 divisions
+
+    # matting: alpha L1; albedo: PSNR of the pooled MSE (values clamped to [0, 1])
+    fa, fb = torch.rand(3, 1, 4, 5, generator=gen), torch.rand(3, 1, 4, 5, generator=gen)
+    metric = agreement.Agreement("matting", {})
+    metric.update(heads.MattingOutput(fa, fa), heads.MattingOutput(fb, fb), {}, valid)
+    assert metric.result()["agree_alpha_L1"] == pytest.approx((fa[:2] - fb[:2]).abs().double().mean().item(), rel=1e-9)
+    ra, rb = torch.rand(3, 3, 4, 5, generator=gen) * 1.4 - 0.2, torch.rand(3, 3, 4, 5, generator=gen)
+    metric = agreement.Agreement("albedo", {})
+    metric.update(heads.AlbedoOutput(ra), heads.AlbedoOutput(rb), {}, valid)
+    mse = (ra[:2].clamp(0, 1) - rb[:2]).double().square().mean().item()
+    assert metric.result()["agree_PSNR"] == pytest.approx(10 * math.log10(1 / mse), rel=1e-9)
+
+
+def test_pose_agreement_distance_and_ap_of_known_keypoints():
+    """Two people; the student's keypoints are the teacher's moved by (3, 4) px: distance 5; AP 1 when the move is
+    small against the box (OKS ~1), below 1 when it is not."""
+    people = [{"file": "a.png", "bbox": [0, 0, 400, 400]}, {"file": "b.png", "bbox": [0, 0, 400, 400]}]
+    metric = agreement.Agreement("pose", {"out_channels": 3, "sigmas": [0.05] * 3}, people)
+    teacher = torch.tensor([[[10.0, 20.0], [30.0, 40.0], [50.0, 60.0]]] * 2, dtype=torch.float64)
+    metric.sums = torch.cat([teacher + torch.tensor([3.0, 4.0], dtype=torch.float64), teacher], -1)
+    result = metric.result()
+    assert result["agree_distance_px"] == pytest.approx(5.0, rel=1e-12)
+    # OKS = exp(-25 / (2 * 160000 * 0.01)) = 0.992 > 0.95: matched at every threshold
+    assert result["agree_AP"] == pytest.approx(1.0)
+    metric.sums[..., :2] += 60
+    assert metric.result()["agree_AP"] < 1.0
+
+
+def test_seg_kl_at_a_temperature_and_weights():
+    gen = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(2, 4, 3, 3, generator=gen), torch.randn(2, 4, 3, 3, generator=gen)
+    w = distillation.parse_weights("seg", "temperature=2,ce=0.5")
+    loss = distillation.seg_distill_loss(heads.SegOutput(student), heads.SegOutput(teacher), w)
+    t = 2.0
+    kl = torch.nn.functional.kl_div(torch.log_softmax(student / t, 1), torch.log_softmax(teacher / t, 1),
+                                    log_target=True, reduction="none").sum(1).mean()
+    ce = torch.nn.functional.cross_entropy(student, teacher.argmax(1))
+    torch.testing.assert_close(loss, t * t * kl + 0.5 * ce)  # fp32, the same ops in another order
+    same = distillation.seg_distill_loss(heads.SegOutput(teacher), heads.SegOutput(teacher), w | {"ce": 0})
+    assert abs(same.item()) < 1e-6  # KL of a distribution with itself: 0 up to fp32 rounding
+    with pytest.raises(Exception, match="seg has no term 'mse'"):
+        distillation.parse_weights("seg", "mse=1")
+    with pytest.raises(Exception, match="temperature > 0"):
+        distillation.parse_weights("seg", "temperature=0")
+
+
+def test_a_teacher_of_another_size_gets_the_students_pixels_and_gives_targets_at_its_size():
+    """The teacher at 64x48, the student at 32x24: the teacher's input is the student's resized, its pointmap
+    resized, its XYZ and scale times 48 / 24 (metric points unchanged)."""
+    torch.manual_seed(0)
+    config = Sapiens2Config(32, 2, 2, full_attention_first=1, full_attention_last=1, image_size=SIZE)
+    head = heads.HeadConfig("pointmap", (16, 8, 8, 8), (8,), 3, scale_conv_channels=(8,), scale_hidden=(8, 4))
+    model = heads.build_task_model(config, head).eval()
+    teacher = distillation.Teacher(model, "pointmap", (32, 24))
+    pixels = torch.randn(1, 3, 32, 24)
+    out = teacher.outputs(pixels, (32, 24))
+    with torch.no_grad():
+        direct = model(torch.nn.functional.interpolate(pixels, SIZE, mode="bilinear", align_corners=False))
+    expected = torch.nn.functional.interpolate(direct.pointmaps, (32, 24), mode="bilinear", align_corners=False)
+    torch.testing.assert_close(out.pointmaps, expected * 2)
+    torch.testing.assert_close(out.scales, direct.scales * 2)
