@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sapiens2 import processing
 from sapiens2_app import formats
 from sapiens2_app.cli import UsageError
 from sapiens2_app.dataset_files import IMAGE_SUFFIXES
@@ -119,9 +118,10 @@ def target_file(task: str, value, mask: torch.Tensor | None):
         if mask is not None:
             array[~mask.numpy()] = np.nan  # the loader's rule: a non-finite target is not valid
         return array
-    if task == "matting":
-        return Image.fromarray(processing.float_to_uint8(value["alpha"][0]).numpy())
-    if mask is None:  # albedo: as NAME.albedo.png, zero outside the mask, which becomes the alpha channel
-        return Image.fromarray(processing.albedo_to_uint8(value).permute(1, 2, 0).numpy())
-    rgb = processing.albedo_to_uint8(value * mask).permute(1, 2, 0).numpy()
+    if task == "matting":  # uint8 alpha, made on the device (as NAME.alpha.png)
+        return Image.fromarray(value["alpha"].numpy())
+    # albedo: uint8, made on the device (as NAME.albedo.png); zero outside the mask, which becomes the alpha channel
+    if mask is None:
+        return Image.fromarray(value.permute(1, 2, 0).numpy())
+    rgb = (value * mask).permute(1, 2, 0).numpy()
     return Image.fromarray(np.concatenate([rgb, mask.numpy()[..., None].astype(np.uint8) * 255], -1), "RGBA")
