@@ -8,6 +8,9 @@ weights.resolve and the person detector's loader call `download`; reading the fo
 
 from __future__ import annotations
 
+if __name__ == "hub":  # a bare `import hub` in a checkout gives the one module, sapiens2.hub
+    __import__("sapiens2").one_module(__name__)
+
 import importlib.util
 import json
 import os
