@@ -10,9 +10,11 @@ import functools
 import hashlib
 import http.server
 import json
+import multiprocessing
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -348,8 +350,9 @@ class HubStandIn:
     """Serves ROOT/<owner>/<name>/resolve/<revision>/<file> on 127.0.0.1, counting requests. HEAD answers
     with the headers huggingface_hub needs (X-Repo-Commit, ETag); GET honours Range for resuming."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, delay: float = 0.0):
         self.requests = []
+        self.gets = []  # the paths of the GETs alone: the downloads
         outer = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
@@ -374,6 +377,8 @@ class HubStandIn:
 
             def do_GET(self):
                 outer.requests.append(self.path)
+                outer.gets.append(self.path)
+                time.sleep(delay)  # a slow link: concurrent downloads overlap
                 range_header = self.headers.get("Range")
                 path = Path(self.translate_path(self.path))
                 if range_header and path.is_file():  # enough of RFC 7233 for resuming
@@ -475,6 +480,45 @@ def test_hub_sharded_download(hub, tmp_path, downloader):
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     assert same_weights(model, weights.load("facebook/sharded"))
     assert (downloaded_to(tmp_path, downloader, "facebook--sharded") / "b.safetensors").is_file()
+
+
+def download_and_hash(repo_id: str, start: multiprocessing.Barrier, results: multiprocessing.Queue):
+    """One of N processes (a torchrun rank): all start together, download, and report the file they got."""
+    from sapiens2 import hub
+    start.wait()
+    folder = hub.download(repo_id, progress=False)
+    results.put(hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest())
+
+
+def test_hub_download_shared_by_four_processes(tmp_path, monkeypatch, downloader):
+    """Four processes load one hub id at once from a slow server: one downloads, the others wait for it (the lock
+    beside the cache entry); each gets the complete file, and the server sees one download of it."""
+    server = HubStandIn(tmp_path / "hub", delay=0.5)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    published = publish(tmp_path / "hub", "facebook/sapiens2-test", small_model()) / "model.safetensors"
+    expected = hashlib.sha256(published.read_bytes()).hexdigest()
+    fork = multiprocessing.get_context("fork")  # the children inherit this process's imports and environment
+    start, results = fork.Barrier(4), fork.Queue()
+    ranks = [fork.Process(target=download_and_hash, args=("facebook/sapiens2-test", start, results)) for _ in range(4)]
+    try:
+        for rank in ranks:
+            rank.start()
+        for rank in ranks:
+            rank.join(timeout=120)
+        assert [rank.exitcode for rank in ranks] == [0] * 4
+        assert sorted(results.get(timeout=5) for _ in ranks) == [expected] * 4
+    finally:
+        for rank in ranks:
+            if rank.is_alive():
+                rank.kill()
+        server.close()
+    weights_gets = [path for path in server.gets if path.endswith("/model.safetensors")]
+    assert weights_gets == ["/facebook/sapiens2-test/resolve/main/model.safetensors"], server.gets
+    leftovers = [p.name for p in downloaded_to(tmp_path, downloader).iterdir() if p.suffix in (".part", ".tmp")]
+    assert leftovers == []
 
 
 def test_hub_missing_repo_and_offline_say_what_to_do(hub, monkeypatch):
