@@ -9,18 +9,17 @@ PYTEST_ARGS ?=
 
 .PHONY: test demo env browser clean
 
-env: $(VENV)/.installed browser
+env: $(VENV)/.installed
 
 # The real-browser test (tests/test_serve_browser.py) drives Debian's chromium through chromium-driver (no browser can
-# be downloaded by the test itself). Installed with apt-get where there is one (as root, else through sudo); nothing
-# is done when both are there already; without apt-get the test skips, saying why (under CI=true it fails).
+# be downloaded by the test itself). `make test` never installs it: without it that one test skips, saying so (under
+# CI=true it fails). `make browser`, run as root (sudo make browser), installs it with apt-get; .ci/run does.
 browser:
 	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "make browser installs system packages: run it as root (sudo make browser)"; exit 1; \
 	elif command -v apt-get >/dev/null 2>&1; then \
-		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$sudo apt-get update -q && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
-			chromium-driver || echo "note: chromium could not be installed; the browser test will skip"; \
-	else echo "note: no apt-get here: install chromium and chromedriver for the browser test"; fi
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	else echo "no apt-get here: install chromium and chromedriver with this system's package manager"; exit 1; fi
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
