@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The whole GPU check in ONE command, built for the machine it first runs on (an H200 through the device tool):
-# one command of at most 10 minutes, at most 8 files back from $OUT, no network, Python 3.12, torch 2.11,
-# triton 3.6, transformers 5.17 (no Sapiens2 in it).
+# The whole GPU check in ONE command, on any machine with an NVIDIA GPU (written for an H200): torch with CUDA,
+# triton 3.6 to 3.9, and transformers 5.23.0 for the HF rows (installed from tmp/whl/ when the machine has an older
+# one and no network; see bench/fetch_wheels.sh). By design it is bounded: under 10 minutes in all, no network
+# needed, and at most 8 result files in OUT_DIR, few enough to copy back from a remote machine.
 #
-#   bash bench/fetch_wheels.sh                                                  # here, once: tmp/whl/
-#   run(command="bash bench/gpu_session.sh", carry=["tmp/whl"], timeout_s=600)   # the device tool
-#   STEPS="sdpa forced" bash bench/gpu_session.sh                              # some steps only
+#   bash bench/fetch_wheels.sh                             # once, on a machine with network: tmp/whl/
+#   bash bench/gpu_session.sh OUT_DIR                      # on the GPU machine (or OUT=OUT_DIR bash ...)
+#   STEPS="sdpa forced" bash bench/gpu_session.sh OUT_DIR  # some steps only
 #
 # Steps, in this order, each in its own process(es) under its own time limit (LIMIT below: with the setup they
 # sum to under DEADLINE, 540 s). Every row is written to $OUT as it is measured (an atomic rewrite of the JSON),
@@ -32,10 +33,10 @@
 #   tests     a dozen CUDA tests of tests/test_kernels.py covering the variants (tiles pinned: a few compiles each)
 #   compile   the 0.4b backbone under a cold torch.compile(hf), compared with the e2e step's hf outputs: the
 #             slowest job, alone and last, with whatever time is left -> ours-triton >= 1.15x compile(hf)
-# Outputs in $OUT (at most 8 files come back; this writes 5): gpu-session.log, kernels.json, e2e.json,
+# Outputs in OUT_DIR (at most 8 files by design; this writes 5): gpu-session.log, kernels.json, e2e.json,
 # pipeline.json, auto-choices.json. The .md/.png reports are made later from the JSON
-# (`python bench/e2e.py --report e2e.json`). Without $OUT (a plain GPU machine) they go to
-# /tmp/sapiens2-gpu-<time>/, never into the repository. Rehearsed on CPU, with a stand-in python3 and nvidia-smi,
+# (`python bench/e2e.py --report e2e.json`). Without OUT_DIR they go to /tmp/sapiens2-gpu-<time>/, never into
+# the repository. Rehearsed on CPU, with a stand-in python3 and nvidia-smi,
 # by tests/test_gpu_session.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +53,7 @@ declare -A LIMIT=([sdpa]=25 [forced]=15 [autotune]=80 [qk]=20 [5b]=35 [0.8b]=35 
 SETUP_LIMIT=64                          # nvidia-smi 8, wheel install 25, versions 16, forced labels 15
 
 START=$(date +%s)
-DEST=${OUT:-/tmp/sapiens2-gpu-$(date +%Y%m%d-%H%M%S)}
+DEST=${1:-${OUT:-/tmp/sapiens2-gpu-$(date +%Y%m%d-%H%M%S)}}
 mkdir -p "$DEST"
 LOG=$DEST/gpu-session.log
 KERNELS=$DEST/kernels.json
