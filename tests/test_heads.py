@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from sapiens2 import heads, losses, processing, weights
-from conftest import original_case_dir, rel_err
+from conftest import OptionalTransformers, original_case_dir, rel_err
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -141,7 +141,7 @@ def test_pointmap_file_of_another_size_loads_and_checks_the_size_when_run():
 # Parity with transformers on random weights
 # ----------------------------------------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers")
+transformers = OptionalTransformers()
 
 HF_HEADS = {
     # task: (HF class, num_labels, head_config, image (H, W))

@@ -2,6 +2,7 @@
 escalates (no sudo) and installs no system package; the browser of the real-browser test is `make browser`'s job,
 run as root, which .ci/run does before `make test`."""
 
+import re
 import shutil
 import subprocess
 
@@ -32,3 +33,11 @@ def test_ci_installs_the_browser_before_the_suite():
     steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
              if line.strip().startswith("make")]
     assert steps[:2] == ["make browser", "make test"], steps
+
+
+def test_runtime_floors_are_the_same_in_requirements_and_pyproject():
+    """requirements.txt (make test, make test-floor) and pyproject.toml (pip install) declare the same floors."""
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    required = [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+    declared = re.search(r"^dependencies = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert re.findall(r'"([^"]+)"', declared.group(1)) == required

@@ -23,12 +23,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sapiens2 import weights
-from conftest import original_case_dir, rel_err
+from conftest import OptionalTransformers, original_case_dir, rel_err
 from sapiens2 import Sapiens2, Sapiens2Config
 from sapiens2.hub import hf_cache_dir
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-transformers = pytest.importorskip("transformers")
+transformers = OptionalTransformers()
 
 HF_TOL = 1e-5
 
