@@ -106,8 +106,13 @@ def download_lock(entry: Path):
     """Hold `<entry>.lock`, the lock file beside a cache entry, while downloading into it: of N processes that need
     the same checkpoint (torchrun's ranks), one downloads and the others wait, then find it complete. The OS drops
     the lock when its holder exits, however it exits."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.with_name(entry.name + ".lock"), "a") as lock:
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(entry.with_name(entry.name + ".lock"), "a")
+    except OSError:  # a cache folder this process cannot write (huggingface_hub may still write its own): no lock
+        yield
+        return
+    with lock:
         if fcntl is not None:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -68,6 +69,12 @@ class OptionalTransformers:
     """transformers, imported when a test first uses it (`transformers.Sapiens2Model`): the parity tests' oracle.
     A test that uses it skips where it is missing, and only that test: make test-floor's venv has none
     (transformers 5.23 needs a newer torch and safetensors than the library's floors). make test installs it."""
+
+    def __init__(self):
+        # Imported now, while the test module is collected, as a plain import would: huggingface_hub (which it imports)
+        # reads HF_HUB_OFFLINE once, at its import, and a test's import would see _no_downloads' offline setting.
+        with contextlib.suppress(ImportError):
+            import transformers  # noqa: F401
 
     def __getattr__(self, name: str):
         if name.startswith("_"):  # pytest's collection probes module globals (__test__, _pytestfixturefunction)
