@@ -24,6 +24,9 @@ call them when labels are passed.
 
 from __future__ import annotations
 
+if __name__ == "heads":  # a bare `import heads` in a checkout gives the one module, sapiens2.heads
+    __import__("sapiens2").one_module(__name__)
+
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch

@@ -8,12 +8,17 @@ weights.resolve and the person detector's loader call `download`; reading the fo
 
 from __future__ import annotations
 
+if __name__ == "hub":  # a bare `import hub` in a checkout gives the one module, sapiens2.hub
+    __import__("sapiens2").one_module(__name__)
+
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import socket
 import sys
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -21,6 +26,11 @@ from pathlib import Path
 
 from sapiens2 import PRESETS
 from sapiens2.heads import TASK_PRESETS
+
+try:
+    import fcntl  # POSIX file locks: one process downloads, the others wait for it (see download_lock)
+except ImportError:  # Windows: no lock; each process then downloads into its own temporary file
+    fcntl = None
 
 INSTALL_HINT = "pip install huggingface_hub  (or: pip install 'sapiens2[hub]')"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -35,9 +45,34 @@ def cache_dir() -> Path:
 
 
 def _fetch(url: str, target: Path, progress: bool = True) -> bool:
-    """Download url to target, resuming a partial `.part` file. False on HTTP 404."""
+    """Download url to target, resuming what a stopped download left in `target.part`. False on HTTP 404.
+
+    The bytes go to a temporary file of this process alone (a `.part` left behind is first moved there, which only
+    one process can do), renamed into place once complete: target is never seen half written, even by processes
+    that share no lock."""
     part = target.with_name(target.name + ".part")
-    start = part.stat().st_size if part.exists() else 0
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    temporary = Path(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(part, temporary)  # take over a partial download
+    try:
+        found = _fetch_into(url, temporary, target.name, progress)
+    except BaseException:
+        if temporary.stat().st_size:
+            os.replace(temporary, part)  # kept for the next try to resume
+        temporary.unlink(missing_ok=True)
+        raise
+    if found:
+        os.replace(temporary, target)
+    else:
+        temporary.unlink()
+    return found
+
+
+def _fetch_into(url: str, temporary: Path, name: str, progress: bool) -> bool:
+    """Append url's bytes past temporary's current size to it (HTTP Range). False on HTTP 404."""
+    start = temporary.stat().st_size
     request = urllib.request.Request(url, headers={"User-Agent": "sapiens2"})
     if os.environ.get("HF_TOKEN"):
         request.add_header("Authorization", f"Bearer {os.environ['HF_TOKEN']}")
@@ -48,24 +83,43 @@ def _fetch(url: str, target: Path, progress: bool = True) -> bool:
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return False
-        if e.code == 416:  # the .part file is already complete
-            part.rename(target)
+        if e.code == 416:  # the partial file is already complete
             return True
         raise
     with response:
         resumed = response.status == 206
         total = int(response.headers.get("Content-Length", 0)) + (start if resumed else 0)
         done = start if resumed else 0
-        with open(part, "ab" if resumed else "wb") as out:
+        with open(temporary, "ab" if resumed else "wb") as out:
             while chunk := response.read(1 << 20):
                 out.write(chunk)
                 done += len(chunk)
                 if progress and total:
-                    print(f"\r{target.name}: {done / 2**20:.0f}/{total / 2**20:.0f} MiB", end="", file=sys.stderr)
+                    print(f"\r{name}: {done / 2**20:.0f}/{total / 2**20:.0f} MiB", end="", file=sys.stderr)
     if progress and total:
         print(file=sys.stderr)
-    part.rename(target)
     return True
+
+
+@contextlib.contextmanager
+def download_lock(entry: Path):
+    """Hold `<entry>.lock`, the lock file beside a cache entry, while downloading into it: of N processes that need
+    the same checkpoint (torchrun's ranks), one downloads and the others wait, then find it complete. The OS drops
+    the lock when its holder exits, however it exits."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(entry.with_name(entry.name + ".lock"), "a")
+    except OSError:  # a cache folder this process cannot write (huggingface_hub may still write its own): no lock
+        yield
+        return
+    with lock:
+        if fcntl is not None:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"waiting for another process downloading into {entry}", file=sys.stderr)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def download(repo_id: str, revision: str = "main", progress: bool = True) -> Path:
@@ -87,9 +141,13 @@ def download(repo_id: str, revision: str = "main", progress: bool = True) -> Pat
     unresolvable = _unresolvable_host(endpoint)
     if unresolvable:  # no network: fail at once (huggingface_hub would retry each file for ~25 s first)
         raise FileNotFoundError(_how_to_get(repo_id, revision, where, f"download failed: {unresolvable}"))
-    if huggingface_hub is None:
-        return _download_builtin(repo_id, revision, local, endpoint, progress)
-    return _download_with_hub(huggingface_hub, repo_id, revision, endpoint, where)
+    with download_lock(local):  # in our cache with either downloader: one lock per repo id and revision
+        for found in (local, hf_cache_snapshot(repo_id, revision)):  # another process may have finished meanwhile
+            if found is not None and _complete(found):
+                return found
+        if huggingface_hub is None:
+            return _download_builtin(repo_id, revision, local, endpoint, progress)
+        return _download_with_hub(huggingface_hub, repo_id, revision, endpoint, where)
 
 
 def _complete(directory: Path) -> bool:

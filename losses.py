@@ -6,6 +6,9 @@ Matting: the losses of the upstream matting commit (e07a5f8), which came after t
 
 from __future__ import annotations
 
+if __name__ == "losses":  # a bare `import losses` in a checkout gives the one module, sapiens2.losses
+    __import__("sapiens2").one_module(__name__)
+
 import torch
 import torch.nn.functional as F
 

@@ -31,6 +31,9 @@ Metadata (names, skeleton, colours, flip pairs, palette, class weights) is read 
 
 from __future__ import annotations
 
+if __name__ == "processing":  # a bare `import processing` in a checkout gives the one module, sapiens2.processing
+    __import__("sapiens2").one_module(__name__)
+
 import contextlib
 import json
 import platform

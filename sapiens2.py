@@ -44,6 +44,21 @@ if "__path__" not in globals():
     __path__ = [os.path.dirname(os.path.abspath(__file__))]
 
 
+def one_module(bare_name: str) -> None:
+    """A checkout's files are also importable by their bare names (`import heads`, `import kernels`), and each
+    such file calls this first: the bare name then gives the namespace's own module (sapiens2.heads), so that a
+    process never holds two copies, whose classes fail each other's isinstance and whose `kernels` the model never
+    calls. What the bare file runs after the call fills a module object that nothing keeps (README.md, Install)."""
+    import sys
+
+    module = importlib.import_module(f"{__name__}.{bare_name}")
+    prefix = module.__name__ + "."
+    for name, submodule in list(sys.modules.items()):  # kernels.attention etc.: one copy under either name too
+        if name.startswith(prefix):
+            sys.modules.setdefault(bare_name + name[len(prefix) - 1:], submodule)
+    sys.modules[bare_name] = module
+
+
 # ----------------------------------------------------------------------------------------------------
 # The fused ops: kernels/ beside this file, or the same math in plain PyTorch when this file is alone
 # ----------------------------------------------------------------------------------------------------

@@ -28,6 +28,9 @@ rope_dtype="float32" with its resample="hf" for transformers' results; docs/chec
 
 from __future__ import annotations
 
+if __name__ == "weights":  # a bare `import weights` in a checkout gives the one module, sapiens2.weights
+    __import__("sapiens2").one_module(__name__)
+
 import functools
 import json
 import math

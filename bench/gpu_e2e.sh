@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One-shot GPU run of bench/e2e.py: the end-to-end table (issue 7), most important rows first, each part under
-# its own timeout and all of them under one deadline, so that a short device lease still returns the key ratios.
+# its own timeout and all of them under one deadline, so that a short run on a GPU still returns the key ratios.
 #
-#   bash bench/gpu_e2e.sh                 # results -> $OUT (the device tool's folder) or bench/results/
+#   bash bench/gpu_e2e.sh                 # results -> $OUT if set, else bench/results/
 #   DEADLINE=540 PARTS="1 2 3" bash bench/gpu_e2e.sh
 #
-# Needs: torch with CUDA (2.11 was seen on the H200 machines), triton (3.6), safetensors, pillow, numpy, and
-# transformers 5.23.0 for the HF rows (the first release with Sapiens2; the H200 image has 5.17). Nothing can be
-# fetched on the device machine, so carry the wheel: on the machine that launches the run,
-#     bash bench/fetch_wheels.sh                   # tmp/whl/ (git-ignored); pass carry=["tmp/whl"]
+# Needs: torch with CUDA (2.11 was tried on an H200), triton (3.6), safetensors, pillow, numpy, and
+# transformers 5.23.0 for the HF rows (the first release with Sapiens2). On a GPU machine without network, bring
+# the wheel: where there is network,
+#     bash bench/fetch_wheels.sh                   # tmp/whl/ (git-ignored); copy it to the GPU machine
 # and this script installs it with --no-index into /tmp/site. (With network access instead:
 #     pip install transformers==5.23.0 safetensors .)
 # Without transformers 5.23 the HF rows are reported as skipped, with the reason, and ours still run.
@@ -27,7 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-DEADLINE=${DEADLINE:-560}          # seconds for the whole script (the device tool allows 600 per command)
+DEADLINE=${DEADLINE:-560}          # seconds for the whole script: bounded by design, under 10 minutes
 PARTS=${PARTS:-"1 2 3 4 5 6 7"}
 DEST=${OUT:-bench/results}
 mkdir -p "$DEST"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The whole GPU check in ONE command, built for the machine it first runs on (an H200):
-# one command of at most 10 minutes, at most 8 files back from $OUT, no network, Python 3.12, torch 2.11,
-# triton 3.6, transformers 5.17 (no Sapiens2 in it).
+# The whole GPU check in ONE command, on any machine with an NVIDIA GPU (written for an H200): torch with CUDA,
+# triton 3.6 to 3.9, and transformers 5.23.0 for the HF rows (installed from tmp/whl/ when the machine has an older
+# one and no network; see bench/fetch_wheels.sh). By design it is bounded: under 10 minutes in all, no network
+# needed, and at most 8 result files in OUT_DIR, few enough to copy back from a remote machine.
 #
-#   bash bench/fetch_wheels.sh                                                  # here, once: tmp/whl/
-#   bash bench/gpu_session.sh                                                   # there, with tmp/whl beside it
-#   STEPS="sdpa forced" bash bench/gpu_session.sh                              # some steps only
+#   bash bench/fetch_wheels.sh                             # once, on a machine with network: tmp/whl/
+#   bash bench/gpu_session.sh OUT_DIR                      # on the GPU machine (or OUT=OUT_DIR bash ...)
+#   STEPS="sdpa forced" bash bench/gpu_session.sh OUT_DIR  # some steps only
 #
 # Steps, in this order, each in its own process(es) under its own time limit (LIMIT below: with the setup they
 # sum to under DEADLINE, 540 s). Every row is written to $OUT as it is measured (an atomic rewrite of the JSON),
@@ -13,7 +14,7 @@
 #   tests     first, before any benchmark: tests/test_cuda_only.py (every configuration the autotuner may pick at
 #             head dims 64/80/76, forward and backward; the checked first launch; a model on cuda:1 if there is
 #             one), then a dozen CUDA tests of tests/test_kernels.py; -v, so the log names each test that passed
-#             even if a later one faults the GPU; the summary counts them
+#             even if a later one faults the GPU, and the bounds on the GPU's post-processing; the summary counts them
 #   sdpa      attention 0.4b, batch 8, N = 3081, bf16, full-attention and GQA blocks, forward and forward +
 #             backward: the SDPA reference and SDPA's flash / cuDNN / efficient backends (no Triton: these rows
 #             exist even if a Triton kernel later faults the GPU)
@@ -33,12 +34,14 @@
 #             first run)
 #   pipeline  predict.py seg on 32 photos of 1080x1440, batch 8, the real-size 0.4b model (random weights), against
 #             the model alone (issue 24, item 4) -> >= 80% of the model-only rate
+#   predict   predict.py seg, pose and normal on 16 photos each, against the model alone, with the host's ms per
+#             photo by stage and the bytes that left the GPU per photo (issue 37)
 #   compile   the 0.4b backbone under a cold torch.compile(hf), compared with the e2e step's hf outputs: the
 #             slowest job, alone and last, with whatever time is left -> ours-triton >= 1.15x compile(hf)
-# Outputs in $OUT (at most 8 files come back; this writes 5): gpu-session.log, kernels.json, e2e.json,
-# pipeline.json, auto-choices.json. The .md/.png reports are made later from the JSON
-# (`python bench/e2e.py --report e2e.json`). Without $OUT (a plain GPU machine) they go to
-# /tmp/sapiens2-gpu-<time>/, never into the repository. Rehearsed on CPU, with a stand-in python3 and nvidia-smi,
+# Outputs in OUT_DIR (at most 8 files by design; this writes 6): gpu-session.log, kernels.json, e2e.json,
+# pipeline.json, predict.json, auto-choices.json. The .md/.png reports are made later from the JSON
+# (`python bench/e2e.py --report e2e.json`). Without OUT_DIR they go to /tmp/sapiens2-gpu-<time>/, never into
+# the repository. Rehearsed on CPU, with a stand-in python3 and nvidia-smi,
 # by tests/test_gpu_session.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +58,7 @@ declare -A LIMIT=([tests]=80 [sdpa]=25 [forced]=15 [autotune]=45 [qk]=20 [5b]=35
 SETUP_LIMIT=64                          # nvidia-smi 8, wheel install 25, versions 16, forced labels 15
 
 START=$(date +%s)
-DEST=${OUT:-/tmp/sapiens2-gpu-$(date +%Y%m%d-%H%M%S)}
+DEST=${1:-${OUT:-/tmp/sapiens2-gpu-$(date +%Y%m%d-%H%M%S)}}
 mkdir -p "$DEST"
 LOG=$DEST/gpu-session.log
 KERNELS=$DEST/kernels.json

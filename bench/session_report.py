@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-MAX_FILES = 8  # the device tool brings back at most 8 files from $OUT
+MAX_FILES = 8  # gpu_session.sh's design: a few result files, easy to copy back from a remote GPU machine
 
 
 def rows_of(path: Path, key: str = "rows") -> list[dict]:

@@ -16,9 +16,12 @@ package metadata it imports whatever `kernels` is first on sys.path and reads it
 one, transformers concludes that this is not the hub package (see tests/test_kernels_name_clash.py).
 """
 
-from .dispatch import backend
-from .attention import attention, attention_probs, attention_reference
-from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, rms_norm_reference, rope_reference
+if __name__ == "kernels":  # a bare `import kernels` in a checkout gives the one package, sapiens2.kernels
+    __import__("sapiens2").one_module(__name__)
+else:
+    from .dispatch import backend
+    from .attention import attention, attention_probs, attention_reference
+    from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, rms_norm_reference, rope_reference
 
 __all__ = [
     "attention",

@@ -1,8 +1,8 @@
-"""serve.py's page in a real browser: headless Chromium (Debian's `chromium` and `chromium-driver`, which `make env`
-installs where apt-get exists) driven by selenium, against a server on random weights (a tiny backbone) and a tiny
-pointmap checkpoint. The page loads, the bundled photo goes up through the file input, every result picture renders,
-a click on a patch changes the attention heat map, and the browser logs no error. It skips, with its reason, only
-where no browser can be had, never under CI=true (it fails there)."""
+"""serve.py's page in a real browser: headless Chromium (Debian's `chromium` and `chromium-driver`, which
+`sudo make browser` installs; make test never does) driven by selenium, against a server on random weights (a tiny
+backbone) and a tiny pointmap checkpoint. The page loads, the bundled photo goes up through the file input, every
+result picture renders, a click on a patch changes the attention heat map, and the browser logs no error. It skips,
+with its reason, only where no browser can be had, never under CI=true (it fails there)."""
 
 import json
 import os
@@ -58,8 +58,8 @@ def browser(tmp_path):
         unavailable("selenium is not installed (pip install -r requirements-test.txt)")
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
-        unavailable("no chromium and chromedriver here (make env installs Debian's chromium chromium-driver where "
-                    "apt-get exists)")
+        unavailable("no chromium and chromedriver here: `sudo make browser` installs them (Debian's chromium "
+                    "chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"):

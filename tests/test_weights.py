@@ -10,9 +10,11 @@ import functools
 import hashlib
 import http.server
 import json
+import multiprocessing
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,12 +23,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sapiens2 import weights
-from conftest import rel_err
+from conftest import OptionalTransformers, original_case_dir, rel_err
 from sapiens2 import Sapiens2, Sapiens2Config
 from sapiens2.hub import hf_cache_dir
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-transformers = pytest.importorskip("transformers")
+transformers = OptionalTransformers()
 
 HF_TOL = 1e-5
 
@@ -216,25 +218,27 @@ def test_4k_model_cannot_be_saved_in_hf_format(tmp_path):
         weights.save(small_model(use_tokenizer=True, tokenizer_layers=1), tmp_path / "x", format="hf")
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_4k"])
-def test_loads_original_fixture_files(fixtures_dir, name):
+@pytest.mark.parametrize("name", ["tiny_4k", "tiny"])  # tiny: the full set only
+def test_loads_original_fixture_files(name):
+    fixtures_dir = original_case_dir(name)
     io = load_file(fixtures_dir / f"{name}.io.safetensors")
     model = weights.load(fixtures_dir / f"{name}.safetensors", rope_dtype="float32")
     with torch.no_grad():
         assert rel_err(model(io["pixel_values"]).tokens, io["tokens"]) < HF_TOL
 
 
-def test_wrong_task_or_preset_is_named(fixtures_dir):
+def test_wrong_task_or_preset_is_named():
+    fixtures_dir = original_case_dir("public_pose")
     with pytest.raises(ValueError, match="is a pose checkpoint, but a seg model was requested"):
         weights.load(fixtures_dir / "public_pose.safetensors", task="seg")
     with pytest.raises(ValueError, match="is a pretrain .* checkpoint, but a seg model was requested"):
-        weights.load(fixtures_dir / "tiny.safetensors", task="seg")
+        weights.load(fixtures_dir / "tiny_4k.safetensors", task="seg")
     with pytest.raises(ValueError, match="is a pose checkpoint, but preset seg-0.4b is a seg model"):
         weights.load(fixtures_dir / "public_pose.safetensors", preset="seg-0.4b")
     with pytest.raises(ValueError, match="is a pose checkpoint, but preset 0.4b is a pretrain model"):
         weights.load(fixtures_dir / "public_pose.safetensors", preset="0.4b")
     with pytest.raises(weights.CheckpointMismatch, match=r"mis-shaped"):
-        weights.load(fixtures_dir / "tiny.safetensors", preset="0.1b")
+        weights.load(fixtures_dir / "tiny_4k.safetensors", preset="0.1b")
 
 
 def test_sharded_checkpoint(tmp_path):
@@ -346,8 +350,9 @@ class HubStandIn:
     """Serves ROOT/<owner>/<name>/resolve/<revision>/<file> on 127.0.0.1, counting requests. HEAD answers
     with the headers huggingface_hub needs (X-Repo-Commit, ETag); GET honours Range for resuming."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, delay: float = 0.0):
         self.requests = []
+        self.gets = []  # the paths of the GETs alone: the downloads
         outer = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
@@ -372,6 +377,8 @@ class HubStandIn:
 
             def do_GET(self):
                 outer.requests.append(self.path)
+                outer.gets.append(self.path)
+                time.sleep(delay)  # a slow link: concurrent downloads overlap
                 range_header = self.headers.get("Range")
                 path = Path(self.translate_path(self.path))
                 if range_header and path.is_file():  # enough of RFC 7233 for resuming
@@ -473,6 +480,45 @@ def test_hub_sharded_download(hub, tmp_path, downloader):
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     assert same_weights(model, weights.load("facebook/sharded"))
     assert (downloaded_to(tmp_path, downloader, "facebook--sharded") / "b.safetensors").is_file()
+
+
+def download_and_hash(repo_id: str, start: multiprocessing.Barrier, results: multiprocessing.Queue):
+    """One of N processes (a torchrun rank): all start together, download, and report the file they got."""
+    from sapiens2 import hub
+    start.wait()
+    folder = hub.download(repo_id, progress=False)
+    results.put(hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest())
+
+
+def test_hub_download_shared_by_four_processes(tmp_path, monkeypatch, downloader):
+    """Four processes load one hub id at once from a slow server: one downloads, the others wait for it (the lock
+    beside the cache entry); each gets the complete file, and the server sees one download of it."""
+    server = HubStandIn(tmp_path / "hub", delay=0.5)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("SAPIENS2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    published = publish(tmp_path / "hub", "facebook/sapiens2-test", small_model()) / "model.safetensors"
+    expected = hashlib.sha256(published.read_bytes()).hexdigest()
+    fork = multiprocessing.get_context("fork")  # the children inherit this process's imports and environment
+    start, results = fork.Barrier(4), fork.Queue()
+    ranks = [fork.Process(target=download_and_hash, args=("facebook/sapiens2-test", start, results)) for _ in range(4)]
+    try:
+        for rank in ranks:
+            rank.start()
+        for rank in ranks:
+            rank.join(timeout=120)
+        assert [rank.exitcode for rank in ranks] == [0] * 4
+        assert sorted(results.get(timeout=5) for _ in ranks) == [expected] * 4
+    finally:
+        for rank in ranks:
+            if rank.is_alive():
+                rank.kill()
+        server.close()
+    weights_gets = [path for path in server.gets if path.endswith("/model.safetensors")]
+    assert weights_gets == ["/facebook/sapiens2-test/resolve/main/model.safetensors"], server.gets
+    leftovers = [p.name for p in downloaded_to(tmp_path, downloader).iterdir() if p.suffix in (".part", ".tmp")]
+    assert leftovers == []
 
 
 def test_hub_missing_repo_and_offline_say_what_to_do(hub, monkeypatch):
