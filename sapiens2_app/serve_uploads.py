@@ -21,14 +21,13 @@ from email.policy import HTTP
 
 from PIL import Image
 
+from sapiens2 import processing
+
 MAX_PARTS = 70  # form fields in one upload: MAX_IMAGES photos and a few fields
 MAX_IMAGES = 64  # photos in one job
 MAX_PART_HEADER_BYTES = 8192
 MAX_FIELD_BYTES = 1024  # a text field (tasks=...)
-# Pixels of one photo, width x height. 40 megapixels holds any camera photo of 2024 (a 7952 x 5304 full-frame sensor
-# is 42 MP: refused; 36 MP and below pass); above it, one image's full-size results (a normal map in float32 is 12
-# bytes a pixel) would grow past 0.5 GB. Pillow itself only refuses above 2 x 89 MP.
-MAX_PIXELS = 40_000_000
+MAX_PIXELS = processing.PIXEL_BUDGET  # pixels of one photo, width x height (why 40 MP: processing.PIXEL_BUDGET)
 BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")  # RFC 2046's bchars, 1..70
 
 # The first bytes of each format Pillow may read here -> Pillow's name for it, which then is the only decoder tried
