@@ -559,11 +559,12 @@ def config_from_hf(hf: dict) -> Sapiens2Config:
         cfg["patch_size"] = patch[0]
     if isinstance(cfg.get("image_size"), int):
         cfg["image_size"] = (cfg["image_size"], cfg["image_size"])
-    if cfg.get("drop_path_rate") is not None:
+    if type(cfg.get("drop_path_rate")) is int and abs(cfg["drop_path_rate"]) <= 1:  # (JSON's 0; the rest is checked)
         cfg["drop_path_rate"] = float(cfg["drop_path_rate"])
     cfg.update({k: hf[k] for k in EXTRA_CONFIG_FIELDS if k in hf})
+    checked_fields(cfg, BACKBONE_FIELD_RULES, "config.json", HF_NAME_OF)
     try:
-        return checked_config(cfg, "config.json", HF_NAME_OF)
+        return Sapiens2Config(**cfg)
     except ValueError as e:
         raise ValueError(f"config.json: {e}") from e
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fuzz_support import NASTY_VALUES, Tally, fuzz_inputs, mutate
-from sapiens2 import Sapiens2Config, heads, weights
+from sapiens2 import Sapiens2, Sapiens2Config, heads, weights
 
 # Refusals are checks of a few dozen fields and, for the scale branch, a search over at most 4096 feature lengths;
 # the tiny models here load in ~20 ms. A second is 50x that: generous on 2 shared cores, far from the minutes
@@ -97,6 +97,21 @@ def test_an_integer_of_5000_digits_is_refused_naming_the_file(saved, tmp_path):
 def test_bad_head_fields_are_refused_at_load_naming_the_field(saved, tmp_path, field, value, phrase):
     path = write_variant(tmp_path / "bad.safetensors", saved, head={field: value})
     assert f"metadata sapiens2_head_config field {phrase}" in refusal(path)
+
+
+@pytest.mark.parametrize("field, value, phrase", [
+    ("rms_norm_eps", float("nan"), "config.json field 'rms_norm_eps' must be finite, got nan"),
+    ("num_hidden_layers", 2**63, "config.json field 'num_hidden_layers' must be in [1, 512]"),
+    ("drop_path_rate", "0.1", "config.json field 'drop_path_rate' must be a number, got str"),
+])
+def test_bad_config_json_fields_are_refused_by_their_names_there(tmp_path, field, value, phrase):
+    config = Sapiens2Config(embed_dim=32, depth=2, num_heads=2, full_attention_first=1, full_attention_last=1)
+    folder = weights.save(Sapiens2(config), tmp_path / "hf", format="hf")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:  # as transformers writes it: no metadata of ours
+        save_file({k: f.get_tensor(k) for k in f.keys()}, str(folder / "model.safetensors"), {"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    assert phrase in refusal(folder)
 
 
 def test_a_scale_weight_claiming_a_huge_width_is_refused_at_once(saved, tmp_path):
