@@ -30,8 +30,8 @@ MAX_PART_HEADER_BYTES = 8192
 MAX_FIELD_BYTES = 1024  # a text field (tasks=...)
 MAX_PIXELS = processing.PIXEL_BUDGET  # pixels of one photo, width x height (why 40 MP: processing.PIXEL_BUDGET)
 # A part's Content-Disposition that plainly names the image field, found in its raw bytes when email cannot read them
-PLAIN_IMAGE_FIELD = re.compile(rb'^content-disposition:[ \t]*form-data[ \t]*;(?:[^\r\n]*;)?[ \t]*name="?image"?[ \t]*(?:;|\r|$)',
-                               re.IGNORECASE | re.MULTILINE)
+PLAIN_IMAGE_FIELD = re.compile(
+    rb'^content-disposition:[ \t]*form-data[ \t]*;(?:[^\r\n]*;)?[ \t]*name="?image"?[ \t]*(?:;|\r|$)', re.I | re.M)
 BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")  # RFC 2046's bchars, 1..70
 
 # The first bytes of each format Pillow may read here -> Pillow's name for it, which then is the only decoder tried

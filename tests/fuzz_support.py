@@ -1,10 +1,13 @@
 """The seeded mutation loop of the fuzz tests (tests/test_fuzz_*.py): standard-library `random`, bounded in count
 and in time, so a run in `make test` costs a few seconds and finds the same inputs on every machine.
 
-    for rng in fuzz_inputs("checkpoints", count=150):
+    def one(rng):                        # one input: make it, feed it to the parser, check the answer
         data = mutate(rng, seed_bytes)
-        outcome = ...  # the parser under test; the test asserts every outcome is an answer the docs allow
-        tally.add(outcome)
+        ...                              # assert that the answer is one the docs allow
+        return "refused", why            # how it was answered (counted), and an example of it
+
+    tally = fuzz_loop("checkpoints", one, count=150)   # every input, even after a failing one
+    assert not tally.failures, tally.failures[:3]
 
 A long run outside `make test` is the same tests with more time: FUZZ_SECONDS=600 makes each loop run that many
 seconds (no count limit), FUZZ_SEED picks another seed, and FUZZ_REPORT=dir writes each loop's tally (inputs tried,
@@ -72,15 +75,36 @@ def mutate(rng: random.Random, data: bytes, max_edits: int = 4) -> bytes:
     return bytes(data)
 
 
+def fuzz_loop(name: str, one, count: int, seconds: float = 8.0) -> "Tally":
+    """`one(rng)` on every input of fuzz_inputs(name, count, seconds), tallied by the (outcome, example) it returns.
+    An input whose check fails, or that raises anything else, is tallied as a failure with its index (FUZZ_SEED and
+    the index reproduce it) and the loop goes on, so that a long run counts every input. The tally is reported."""
+    tally = Tally(name)
+    for index, rng in enumerate(fuzz_inputs(name, count, seconds)):
+        try:
+            outcome, example = one(rng)
+        except Exception as error:  # noqa: BLE001 (AssertionError: a check failed; anything else escaped the parser)
+            tally.fail(index, error)
+            continue
+        tally.add(outcome, example)
+    tally.report()
+    return tally
+
+
 class Tally:
-    """How each input of a loop was answered: counts by outcome, and one example input per outcome."""
+    """How each input of a loop was answered: counts by outcome, one example input per outcome, and the failures."""
 
     def __init__(self, name: str):
-        self.name, self.counts, self.examples = name, collections.Counter(), {}
+        self.name, self.counts, self.examples, self.failures = name, collections.Counter(), {}, []
 
     def add(self, outcome: str, example=None):
         self.counts[outcome] += 1
         self.examples.setdefault(outcome, example)
+
+    def fail(self, index: int, error: Exception):
+        what = f"{type(error).__name__}: {error}"[:2000]
+        self.add(f"FAILED {type(error).__name__}", what)
+        self.failures.append(f"input {index}: {what}")
 
     def total(self) -> int:
         return sum(self.counts.values())
@@ -91,5 +115,5 @@ class Tally:
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
             record = {"inputs": self.total(), "outcomes": dict(self.counts.most_common()),
-                      "examples": {k: repr(v)[:300] for k, v in self.examples.items()}}
+                      "examples": {k: repr(v)[:300] for k, v in self.examples.items()}, "failures": self.failures}
             (Path(folder) / f"{self.name}.json").write_text(json.dumps(record, indent=2))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import predict
-from fuzz_support import NASTY_VALUES, SEED_CORPUS, Tally, fuzz_inputs, mutate
+from fuzz_support import NASTY_VALUES, SEED_CORPUS, fuzz_loop, mutate
 from sapiens2_app.boxes import MAX_COORDINATE, MAX_PEOPLE, fit_boxes, pose_boxes, read_boxes_file
 from sapiens2_app.cli import UsageError
 from sapiens2_app.inputs import InputImage
@@ -73,22 +73,23 @@ def crafted_boxes(rng, seed: bytes) -> bytes:
 
 
 def test_mutated_boxes_files_are_read_or_refused_in_one_line(tmp_path):
-    tally = Tally("boxes")
     seed = (SEED_CORPUS / "boxes.json").read_bytes()
     path = tmp_path / "boxes.json"
-    for rng in fuzz_inputs("boxes", count=500, seconds=3.0):
+
+    def one(rng):
         path.write_bytes(crafted_boxes(rng, seed))
         try:
             boxes = read_boxes_file(str(path))
         except UsageError as refused:
             message = str(refused)
             assert "\n" not in message and len(message) < 600 and str(path) in message, message
-            tally.add("refused", message[len(str(path)) + 9:][:50])
-            continue
+            return "refused", message[len(str(path)) + 9:][:50]
         for name, entry in boxes.items():  # what was read is what the pipeline can use
             assert len(entry) <= MAX_PEOPLE
             assert all(math.isfinite(v) and abs(v) <= MAX_COORDINATE for box in entry for v in box), entry
             fit_boxes(entry, 640, 480)
-        tally.add("read")
-    tally.report()
+        return "read", None
+
+    tally = fuzz_loop("boxes", one, count=500, seconds=3.0)
+    assert not tally.failures, tally.failures[:3]
     assert tally.counts["read"] > 0 and tally.counts["refused"] > 0, tally.counts

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fuzz_support import NASTY_VALUES, Tally, fuzz_inputs, mutate
+from fuzz_support import NASTY_VALUES, fuzz_loop, mutate
 from sapiens2 import Sapiens2, Sapiens2Config, heads, weights
 
 # Refusals are checks of a few dozen fields and, for the scale branch, a search over at most 4096 feature lengths;
@@ -167,24 +167,25 @@ def mutated_checkpoint(rng, saved, path):
 def test_mutated_checkpoints_load_or_are_refused_naming_the_file(saved, tmp_path):
     """Every mutated checkpoint loads into a model whose outputs are finite, or is refused with a CheckpointError
     naming the file, in well under a second; nothing else escapes."""
-    tally = Tally("checkpoints")
     pixels = torch.rand(1, 3, 256, 192)
-    for rng in fuzz_inputs("checkpoints", count=120):
+
+    def one(rng):
         path, what = mutated_checkpoint(rng, saved, tmp_path / "mutated.safetensors")
-        start = time.monotonic()
+        start = time.process_time()  # (CPU time: a long run shares the machine)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # e.g. unusual rope periods: a warning, not an answer
                 model = weights.load(path)
         except weights.CheckpointError as error:
             assert str(path) in str(error), what
-            tally.add("refused", what)
-        else:
-            tally.add("loaded", what)
-            with torch.no_grad():
-                out = model(pixels)
-            assert all(math.isfinite(v) for v in (out.pointmaps.sum().item(), out.scales.sum().item())), what
-        assert time.monotonic() - start < REFUSAL_SECONDS * 5, what
-    tally.report()
+            assert time.process_time() - start < REFUSAL_SECONDS, what
+            return "refused", what
+        with torch.no_grad():
+            out = model(pixels)
+        assert all(math.isfinite(v) for v in (out.pointmaps.sum().item(), out.scales.sum().item())), what
+        return "loaded", what
+
+    tally = fuzz_loop("checkpoints", one, count=120)
+    assert not tally.failures, tally.failures[:3]
     assert tally.counts["refused"] > 0 and tally.counts["loaded"] > 0, tally.counts
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from fuzz_support import SEED_CORPUS, Tally, fuzz_inputs, mutate
+from fuzz_support import SEED_CORPUS, fuzz_loop, mutate
 from sapiens2_app import serve_jobs
 from sapiens2_app.serve_uploads import ClientError, boundary_of, check_photo, parse_multipart
 from test_serve import (PHOTO, call, error_of, multipart, offline, post_job, run_job,  # noqa: F401 (fixtures)
@@ -97,19 +97,20 @@ def crafted_upload(rng, seed: bytes) -> tuple[str, bytes]:
 
 
 def test_mutated_uploads_are_refused_with_a_4xx_or_parsed(tmp_path):
-    tally = Tally("multipart")
     seed = (SEED_CORPUS / "upload.multipart").read_bytes()
-    for rng in fuzz_inputs("multipart", count=1500, seconds=4.0):
+
+    def one(rng):
         content_type, body = crafted_upload(rng, seed)
         try:
             parts = parse_multipart(content_type, body)
             photos = [check_photo(part, i) for i, part in enumerate(parts) if part.name == "image"]
         except ClientError as refused:
             assert 400 <= refused.status < 500 and "\n" not in refused.message, (content_type, body)
-            tally.add(f"{refused.status}", refused.message[:60])
-        else:
-            tally.add(f"parsed, {sum(p.data is None for p in photos)} of {len(photos)} photos refused")
-    tally.report()
+            return f"{refused.status}", refused.message[:60]
+        return f"parsed, {sum(p.data is None for p in photos)} of {len(photos)} photos refused", content_type
+
+    tally = fuzz_loop("multipart", one, count=1500, seconds=4.0)
+    assert not tally.failures, tally.failures[:3]
     assert tally.total() >= 100, tally.counts
 
 
@@ -216,21 +217,21 @@ def crafted_request(rng, port: int, job: str) -> bytes:
 
 
 def test_mutated_requests_get_an_answer_in_json_never_a_500(server, jobs):
-    tally = Tally("http")
-    for rng in fuzz_inputs("http", count=150, seconds=8.0):
+    def one(rng):
         data = crafted_request(rng, server.app.port, jobs["id"])
         answer = raw_request(server, data)
         if not answer.startswith(b"HTTP/"):  # a request line Python's server cannot read (HTTP/0.9): its own rule
             assert answer == b"" or b"error" in answer, (data, answer)
-            tally.add("HTTP/0.9 or no status line", data[:60])
-            continue
+            return "HTTP/0.9 or no status line", data[:60]
         status = int(answer.split(b" ", 2)[1])
         if status >= 400:  # every refusal: JSON, one line, no server path; never a 500
             message = status_and_error(answer)[1] or ""
             assert status < 500 or status == 501 or (status == 503 and "busy" in message), (data, message)
             assert str(server.app.store.folder) not in message, (data, message)
-        tally.add(str(status), data[:80])
-    tally.report()
+        return str(status), data[:80]
+
+    tally = fuzz_loop("http", one, count=150, seconds=8.0)
+    assert not tally.failures, tally.failures[:3]
     assert call(server, "GET", "/api/health")[0] == 200
 
 
