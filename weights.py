@@ -346,8 +346,9 @@ def config_from_shapes(state: dict[str, torch.Tensor]) -> Sapiens2Config:
 
 @dataclass(frozen=True)
 class FieldRule:
-    """What one config field may hold: `kind` int, float (finite), bool, str or ints (a list of ints), each
-    number in [low, high]; `optional`: None is allowed too; `length`: the most entries a list may have."""
+    """What one config field may hold: `kind` int, float (finite), bool, str, or a list: ints, strs, pairs (of
+    ints); each number in [low, high]. `optional`: None is allowed too. `length`: the most entries a list may have
+    (2 for ints: exactly two, a pair such as image_size)."""
 
     kind: str
     low: float | None = None
