@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -252,7 +253,9 @@ def _open_image_header(path: Path, max_pixels: int | None = None) -> Image.Image
         raise ImageLoadError(f"{path}: is a directory, not an image file")
     if path.stat().st_size == 0:
         raise ImageLoadError(f"{path}: the file is empty")
-    with decoding(path):
+    with decoding(path), warnings.catch_warnings():
+        if max_pixels is not None:  # the budget below says it (Pillow's warning would add a second message)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         image = Image.open(path)
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:

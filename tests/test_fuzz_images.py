@@ -4,6 +4,7 @@
 pixel budget is refused before it is decoded (a few hundred bytes could declare 130 MP and take 3 GB). Then a seeded
 mutation loop over one tiny file of each format (tests/fixtures/fuzz/images)."""
 
+import io
 import struct
 import time
 import warnings
@@ -67,8 +68,24 @@ def test_float_photo_in_range_loads_as_8_bits_and_preprocesses(tmp_path):
     assert inputs.pixel_values.shape == (1, 3, 64, 48) and bool(torch.isfinite(inputs.pixel_values).all())
 
 
-def test_a_header_over_the_pixel_budget_is_refused_before_decoding(tmp_path):
-    path = png_declaring(tmp_path / "bomb.png", 7100, 7100)  # 50.4 MP in 60 bytes
+def tiff_declaring(path, width: int, height: int):
+    """A 1x1 RGB TIFF of ~140 bytes whose ImageWidth and ImageLength tags say width x height."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, format="TIFF")
+    data = bytearray(buffer.getvalue())
+    ifd = struct.unpack("<I", data[4:8])[0]
+    for entry in range(ifd + 2, ifd + 2 + 12 * struct.unpack("<H", data[ifd : ifd + 2])[0], 12):
+        tag, kind = struct.unpack("<HH", data[entry : entry + 4])
+        if tag in (256, 257):  # (SHORT or LONG values)
+            value = width if tag == 256 else height
+            data[entry + 8 : entry + 12] = struct.pack("<HH", value, 0) if kind == 3 else struct.pack("<I", value)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("write", [png_declaring, tiff_declaring])
+def test_a_header_over_the_pixel_budget_is_refused_before_decoding(tmp_path, write):
+    path = write(tmp_path / f"bomb.{write.__name__[:3]}", 7100, 7100)  # 50.4 MP in ~100 bytes
     start = time.monotonic()
     with pytest.raises(processing.ImageLoadError, match=rf"{path}: declares 7100x7100 pixels \(50.4 megapixels\), "
                                                         r"over the budget of 40 megapixels"):
