@@ -480,10 +480,12 @@ MAX_LENGTH_DIGITS = 15  # a Content-Length of up to a petabyte, far over any --m
 
 def content_length(text: str | None) -> int | None:
     """A Content-Length header's number of bytes; None when absent or not ASCII digits ("²" passes str.isdigit and
-    then int() refuses it; int() refuses more than 4300 digits too)."""
-    if text is None or not re.fullmatch(rf"[0-9]{{1,{MAX_LENGTH_DIGITS}}}", text.strip()):
+    then int() refuses it; int() refuses more than 4300 digits too). Only HTTP's spaces and tabs around it are
+    ignored: str.strip() takes control characters such as \x1d too, which int() does not."""
+    value = None if text is None else text.strip(" \t")
+    if value is None or not re.fullmatch(rf"[0-9]{{1,{MAX_LENGTH_DIGITS}}}", value):
         return None
-    return int(text)
+    return int(value)
 
 
 def whole_number(args: dict[str, str], name: str) -> int:

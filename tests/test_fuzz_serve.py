@@ -148,7 +148,7 @@ def request(service, first_line: str, headers: str = "", body: bytes = b"") -> b
     return raw_request(service, f"{first_line}\r\n{host}{headers}Connection: close\r\n\r\n".encode("latin-1") + body)
 
 
-@pytest.mark.parametrize("length", ["²", "1" * 5000, "-1", "0x10", "1e3"])
+@pytest.mark.parametrize("length", ["²", "1" * 5000, "-1", "0x10", "1e3", "7\x1d", "\x1e7"])
 def test_a_content_length_that_is_not_a_number_is_a_400(server, length):
     answer = request(server, "POST /api/jobs HTTP/1.1", f"Content-Type: multipart/form-data; boundary=b\r\n"
                                                          f"Content-Length: {length}\r\n", b"--b--\r\n")
@@ -220,8 +220,8 @@ def test_mutated_requests_get_an_answer_in_json_never_a_500(server, jobs):
     def one(rng):
         data = crafted_request(rng, server.app.port, jobs["id"])
         answer = raw_request(server, data)
-        if not answer.startswith(b"HTTP/"):  # a request line Python's server cannot read (HTTP/0.9): its own rule
-            assert answer == b"" or b"error" in answer, (data, answer)
+        if not answer.startswith(b"HTTP/"):  # an HTTP/0.9 request (no version): the body alone, as that protocol has
+            assert answer == b"" or answer.startswith(b"{"), (data, answer)
             return "HTTP/0.9 or no status line", data[:60]
         status = int(answer.split(b" ", 2)[1])
         if status >= 400:  # every refusal: JSON, one line, no server path; never a 500
