@@ -27,6 +27,7 @@ from __future__ import annotations
 if __name__ == "heads":  # a bare `import heads` in a checkout gives the one module, sapiens2.heads
     __import__("sapiens2").one_module(__name__)
 
+import functools
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -363,35 +364,44 @@ def scale_branch_problem(config: HeadConfig, input_size: tuple[int, int], size_m
     m = size_multiple
     h, w = scale_branch_grid((input_size[0] // m, input_size[1] // m), config.scale_conv_kernel_sizes)
     channels = config.scale_conv_channels[-1]
-    if channels * h * w == config.scale_input_width:
+    if channels * h * w == config.scale_input_width and h * w > 1:
         return None
     span = lambda r: f"{r[0] * m}" if len(r) == 1 else f"{r[0] * m}-{r[-1] * m}"  # noqa: E731
     fits = " or ".join(f"{span(hs)} x {span(ws)}" for hs, ws in scale_branch_fits(config)) or "none"
-    return (f"a {input_size[0]}x{input_size[1]} input does not fit the pointmap scale branch: its MLP takes "
-            f"{config.scale_input_width} inputs, this size gives {channels} x {h} x {w} = {channels * h * w} after the "
+    why = (f"its MLP takes {config.scale_input_width} inputs, this size gives {channels} x {h} x {w} = "
+           f"{channels * h * w}" if channels * h * w != config.scale_input_width else
+           "this size leaves it a 1 x 1 map, which its instance norm cannot normalize")
+    return (f"a {input_size[0]}x{input_size[1]} input does not fit the pointmap scale branch: {why} after the "
             f"{len(config.scale_conv_channels)} stride-2 convs. Input sizes that fit (H x W, multiples of {m}): {fits}")
 
 
 def scale_branch_fits(config: HeadConfig, limit: int | None = 6) -> list[tuple[range, range]]:
     """The feature-map heights and widths (ranges, in patches) that the scale branch turns into exactly
-    scale_input_width inputs: one (heights, widths) pair per grid it can end at, squarest grid first."""
+    scale_input_width inputs: one (heights, widths) pair per grid it can end at, squarest grid first. Grids of
+    one cell are left out (the last conv's instance norm cannot normalize a single value). The work is bounded
+    by the longest feature length searched, whatever width a file claims (a width of 10**12 once took minutes)."""
     channels = config.scale_conv_channels[-1]
     if config.scale_input_width % channels:
         return []
     cells = config.scale_input_width // channels
-    grids = sorted(((a, cells // a) for a in range(1, cells + 1) if cells % a == 0), key=lambda g: abs(g[0] - g[1]))
-    fits = []
-    for grid in grids[:limit]:
-        ranges = [_lengths_reduced_to(n, config.scale_conv_kernel_sizes) for n in grid]
-        if all(ranges):
-            fits.append(tuple(ranges))
-    return fits
+    reduced = _lengths_reduced_to(tuple(config.scale_conv_kernel_sizes))
+    longest = max(reduced)
+    grids = [(a, cells // a) for a in range(1, min(cells, longest) + 1) if cells % a == 0 and cells // a <= longest]
+    grids = sorted((g for g in grids if g[0] * g[1] > 1), key=lambda g: abs(g[0] - g[1]))
+    return [(reduced[a], reduced[b]) for a, b in grids[:limit]]
 
 
-def _lengths_reduced_to(target: int, kernel_sizes, search: int = 4096) -> range | None:
-    """The feature lengths the scale convs reduce to `target` (a contiguous run: the map is monotone)."""
-    found = [n for n in range(1, search) if scale_branch_grid((n, n), kernel_sizes)[0] == target]
-    return range(found[0], found[-1] + 1) if found else None
+SCALE_SEARCH = 4096  # feature lengths searched for input sizes that fit: up to 65536 pixels at patch 16
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths_reduced_to(kernel_sizes: tuple[int, ...]) -> dict[int, range]:
+    """Each length the scale convs can end at -> the feature lengths under SCALE_SEARCH they reduce to it (a
+    contiguous run: the map is monotone)."""
+    found: dict[int, list[int]] = {}
+    for n in range(1, SCALE_SEARCH):
+        found.setdefault(scale_branch_grid((n, n), kernel_sizes)[0], []).append(n)
+    return {target: range(lengths[0], lengths[-1] + 1) for target, lengths in found.items()}
 
 
 def build_head(config: HeadConfig, in_channels: int, patch_size: int = 16, activation: str = "silu") -> nn.Module:

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from PIL import Image
+
 from sapiens2 import PRESETS, processing
 from sapiens2_app import detector, formats, models, tracking, video
 from sapiens2_app.artefacts import ARTEFACTS, DEFAULT_KINDS, KINDS, TASKS
@@ -68,6 +70,18 @@ def parse_count(text: str, low: int, high: int) -> int:
     return int(text)
 
 
+def parse_megapixels(text: str) -> float:
+    """--max-megapixels: a positive number, at most Pillow's own limit (2 x 89 MP), above which it refuses anyway."""
+    highest = 2 * Image.MAX_IMAGE_PIXELS / 1e6
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= highest:  # (NaN fails this too)
+        raise argparse.ArgumentTypeError(f"{text!r}: expected megapixels, a number above 0 and at most {highest:g}")
+    return value
+
+
 def parse_kinds(text: str) -> set[str]:
     kinds = {k.strip() for k in text.split(",") if k.strip()}
     if not kinds or kinds - set(KINDS):
@@ -102,6 +116,9 @@ def build_parser(prog: str = "predict.py") -> argparse.ArgumentParser:
                              "cores this process may use, at most 8); 0: one image after the other in one thread")
     parser.add_argument("--size", type=parse_size, metavar="HxW",
                         help="model input size (default: the model's, 1024x768)")
+    parser.add_argument("--max-megapixels", type=parse_megapixels, default=processing.PIXEL_BUDGET / 1e6, metavar="MP",
+                        help="refuse an image whose header declares more pixels, before decoding it (default: "
+                             "%(default)g; a few hundred bytes can declare 130 MP and take gigabytes)")
     parser.add_argument("--no-flip", dest="flip", action="store_false", help="pose: skip the flip test (2x faster)")
     parser.add_argument("--boxes", metavar="FILE",
                         help="pose: person boxes, JSON {\"image.jpg\": [[x, y, w, h], ...]}")
@@ -202,7 +219,7 @@ def run(args, argv: list[str]) -> int:
     names = output_names(items)
     require_av_for(items)
     mine, prefix = shard(items, rank, world), f"[rank {rank}/{world}] " if world > 1 else ""
-    unreadable = unreadable_inputs(mine, world)
+    unreadable = unreadable_inputs(mine, world, round(args.max_megapixels * 1e6))
     warnings = unmatched_boxes_warnings(args.boxes, boxes, items) + renamed_notes(names)
     for message in warnings:
         print(f"warning: {message}", file=sys.stderr)
@@ -310,13 +327,17 @@ def check_keypoint_formats(args, loaded: dict[str, LoadedModel]):
             raise UsageError(problem)
 
 
-def unreadable_inputs(items: list[InputImage], world: int) -> dict[InputImage, Exception]:
-    """This process's inputs that cannot be read, by their header (not an image, empty, not ours to read, not a
-    video), found before any model loads. When none of a single process's inputs can be read, nothing can run."""
+def unreadable_inputs(items: list[InputImage], world: int, max_pixels: int) -> dict[InputImage, Exception]:
+    """This process's inputs that cannot be read, by their header (not an image, empty, not ours to read, more
+    pixels than `max_pixels`, not a video), found before any model loads and before any image is decoded. When none
+    of a single process's inputs can be read, nothing can run."""
     unreadable = {}
     for item in items:
         try:
-            (video.check_video_file if is_video(item.path) else processing.check_image_file)(item.path)
+            if is_video(item.path):
+                video.check_video_file(item.path)
+            else:
+                processing.check_image_file(item.path, max_pixels)
         except (OSError, ValueError) as error:  # whatever a decoder raises comes as one of these (processing.decoding)
             unreadable[item] = error
     if unreadable and len(unreadable) == len(items) and world == 1:

@@ -37,6 +37,7 @@ if __name__ == "processing":  # a bare `import processing` in a checkout gives t
 import contextlib
 import json
 import platform
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -134,18 +135,28 @@ class ImageLoadError(ValueError):
     """A file could not be read as an image. The message names the file and the reason."""
 
 
-def load_image(image) -> torch.Tensor:
-    """Any single image -> `(3, H, W)` RGB tensor, uint8 (or float32 on a 0..255 scale for float inputs).
+# The default pixel budget of one image file, width x height, checked from its header before anything decodes it
+# (predict.py --max-megapixels, serve.py's upload limit). 40 megapixels holds any camera photo of 2024 (a 7952 x 5304
+# full-frame sensor is 42 MP: refused; 36 MP and below pass). Above it, a few hundred bytes of TIFF or WebP can
+# declare 130 MP and take 3 GB and half a minute to decode, and one image's full-size results (a normal map in
+# float32 is 12 bytes a pixel) grow past 0.5 GB. Pillow itself only refuses above 2 x 89 MP.
+PIXEL_BUDGET = 40_000_000
+
+
+def load_image(image, max_pixels: int | None = None) -> torch.Tensor:
+    """Any single image -> `(3, H, W)` RGB tensor, uint8 (or float32 on a 0..255 scale for float arrays/tensors).
 
     Accepts a path (str/Path), a PIL image, a numpy array `(H, W)`, `(H, W, C)` or a tensor `(H, W)`, `(C, H, W)`
     with C in {1, 3, 4}. Grayscale is repeated, alpha is composited over white (as HF does), palette / CMYK /
-    16-bit images are converted, and the EXIF orientation is applied. uint16 data is scaled to 8 bits.
-    Float arrays/tensors must be in [0, 1] (the PIL/torchvision convention); pass uint8 for 0..255 data.
-    Tensors keep their device.
+    16-bit / float images are converted, and the EXIF orientation is applied. uint16 data and float files (TIFF
+    mode F, in [0, 1]) come out as 8 bits, like every other file. Float arrays/tensors must be in [0, 1] (the
+    PIL/torchvision convention); pass uint8 for 0..255 data. NaN or infinite values are refused. Tensors keep
+    their device. `max_pixels`: a file whose header declares more pixels is refused before it is decoded (None:
+    Pillow's own limit only).
     """
     if isinstance(image, (str, Path)):
         path = Path(image)
-        opened = _open_image_file(path)
+        opened = _open_image_file(path, max_pixels)
         with decoding(path):  # the conversions decode too (a palette, CMYK, a 16-bit mode)
             return _pil_to_tensor(opened)
     if isinstance(image, Image.Image):
@@ -171,11 +182,11 @@ def load_images(images) -> list[torch.Tensor]:
     return [load_image(images)]
 
 
-def check_image_file(path: Path):
+def check_image_file(path: Path, max_pixels: int | None = None):
     """The cheap part of reading an image file, its header only (no pixels decoded): it exists, can be opened,
-    is not empty and Pillow recognises it. Raises what load_image would (predict.py checks inputs with it
-    before loading a model)."""
-    with _open_image_header(path):
+    is not empty, Pillow recognises it and it declares at most `max_pixels` pixels. Raises what load_image would
+    (predict.py checks inputs with it before loading a model)."""
+    with _open_image_header(path, max_pixels):
         pass
 
 
@@ -238,19 +249,28 @@ def _declared_size(path: Path) -> tuple[int, int] | None:
     return None
 
 
-def _open_image_header(path: Path) -> Image.Image:
+def _open_image_header(path: Path, max_pixels: int | None = None) -> Image.Image:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if path.is_dir():
         raise ImageLoadError(f"{path}: is a directory, not an image file")
     if path.stat().st_size == 0:
         raise ImageLoadError(f"{path}: the file is empty")
-    with decoding(path):
-        return Image.open(path)
+    with decoding(path), warnings.catch_warnings():
+        if max_pixels is not None:  # the budget below says it (Pillow's warning would add a second message)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        image = Image.open(path)
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        image.close()
+        raise ImageLoadError(f"{path}: declares {width}x{height} pixels ({width * height / 1e6:.1f} megapixels), over "
+                             f"the budget of {max_pixels / 1e6:g} megapixels: refused before decoding (downscale it, "
+                             f"or raise the budget)")
+    return image
 
 
-def _open_image_file(path: Path) -> Image.Image:
-    with _open_image_header(path) as image, decoding(path):
+def _open_image_file(path: Path, max_pixels: int | None = None) -> Image.Image:
+    with _open_image_header(path, max_pixels) as image, decoding(path):
         image.load()  # decode now, so a truncated file fails here and not somewhere downstream
         return ImageOps.exif_transpose(image)
 
@@ -259,8 +279,8 @@ def _pil_to_tensor(image: Image.Image) -> torch.Tensor:
     image = ImageOps.exif_transpose(image)
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit PNG/TIFF: scale, do not clip at 255
         return _tensor_to_rgb(torch.from_numpy(np.array(image).astype(np.int32)).clamp(0, 65535), "16-bit image")
-    if image.mode == "F":
-        return _tensor_to_rgb(torch.from_numpy(np.array(image)), "float image")
+    if image.mode == "F":  # a float TIFF: [0, 1] like float arrays, then 8 bits like every other file
+        return float_to_uint8(_tensor_to_rgb(torch.from_numpy(np.array(image)), "float image") / 255)
     if "A" in image.getbands() or "transparency" in image.info:
         # Same as HF's convert_to_rgb: composite over white, so transparent areas do not become black.
         rgba = image.convert("RGBA")
@@ -296,6 +316,8 @@ def _to_8bit_scale(image: torch.Tensor, what: str) -> torch.Tensor:
     if image.dtype == torch.uint8:
         return image
     if image.is_floating_point():
+        if not bool(torch.isfinite(image).all()):  # (NaN defeats the range check below: every comparison is False)
+            raise ValueError(f"float {what} has NaN or infinite values; float images must be in [0, 1]")
         low, high = image.min().item(), image.max().item()
         if low < 0 or high > 1:
             raise ValueError(f"float {what} has values in [{low:g}, {high:g}]; float images must be in [0, 1] "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import sys
 
 from sapiens2 import PRESETS, processing
@@ -81,8 +82,15 @@ def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
     return parser
 
 
+STOP_TIMEOUT_S = 3.0  # how long a stop waits for the photo in progress, then for a write in progress
+
+
 def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
+    """Serve until Ctrl-C or SIGTERM. The stop is bounded whatever is in flight: after STOP_TIMEOUT_S for the worker
+    (and as long for a write), with the temporary folder removed, the process ends at once (end_now) rather than
+    wait for a model call that may run for minutes, or for what it started (threads the interpreter joins at exit)."""
     args = build_parser(prog).parse_args(argv)
+    stopped = True
     try:
         with StopSignals():
             service = start(args)
@@ -92,13 +100,24 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
                 service.serve_forever()
             finally:
                 with signals_deferred():  # a second Ctrl-C must not leave the temporary folder behind
-                    service.close()
+                    stopped = service.close(STOP_TIMEOUT_S)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nstopped; the temporary folder is removed", file=sys.stderr)
+    if not stopped:
+        end_now(0)
     return 0
+
+
+def end_now(status: int):
+    """Exit without the interpreter's shutdown, which would wait for the threads the work in flight started (and
+    may hang in a native library's exit handlers while a daemon thread is inside a model call)."""
+    print(f"note: work in flight after {STOP_TIMEOUT_S:g} s was abandoned", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def start(args) -> Service:

@@ -37,7 +37,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, hub, rope_periods_bf16
 from sapiens2.heads import (OUT_CHANNELS, TASK_PRESETS, TASKS, TRANSPOSED_CONV_TASKS, HeadConfig, Sapiens2ForTask, build_task_model,
-                   scale_branch_fits, scale_branch_grid, task_preset)
+                   scale_branch_fits, scale_branch_problem, task_preset)
 
 # ----------------------------------------------------------------------------------------------------
 # The key mapping: our names (= the original's) <-> HF-native names.
@@ -335,7 +335,135 @@ def config_from_shapes(state: dict[str, torch.Tensor]) -> Sapiens2Config:
         layers = 1 + max(int(m[1]) for k in state if (m := re.match(r"^tokenizer\.blocks\.(\d+)\.", k)))
         cfg.update(use_tokenizer=True, tokenizer_window=window, tokenizer_layers=layers, image_size=(4096, 3072),
                    tokenizer_ffn_dim=state["tokenizer.blocks.0.ffn.w3.weight"].shape[1])
-    return Sapiens2Config(**cfg)
+    return checked_config(cfg, "the tensor shapes")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config fields read from a file: each checked for its type and a sane range before anything is built from it.
+# A crafted file could otherwise hang the loader (depth 2**63 builds a list of 2**63 kv-head counts), load a
+# model whose every output is NaN (norm_eps NaN: json.loads accepts NaN), or one that fails at every forward
+# (norm_eps "pointmap"). The bounds are far beyond every released model (the largest, 5b: C 2432, 56 blocks,
+# 32 heads, heads of <= 1536 channels) and only keep a file from asking for what no machine can build.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one config field may hold: `kind` int, float (finite), bool, str, or a list: ints, strs, pairs (of
+    ints); each number in [low, high]. `optional`: None is allowed too. `length`: the most entries a list may have
+    (2 for ints: exactly two, a pair such as image_size)."""
+
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    optional: bool = False
+    length: int = 64
+
+
+MAX_WIDTH = 65536  # channels, hidden widths, FFN widths
+BACKBONE_FIELD_RULES = {
+    "embed_dim": FieldRule("int", 1, MAX_WIDTH),
+    "depth": FieldRule("int", 1, 512),
+    "num_heads": FieldRule("int", 1, 1024),
+    "gqa_kv_heads": FieldRule("int", 1, 1024, optional=True),
+    "full_attention_first": FieldRule("int", 0, 512),
+    "full_attention_last": FieldRule("int", 0, 512),
+    "kv_heads_per_layer": FieldRule("ints", 1, 1024, optional=True, length=512),
+    "ffn_dim": FieldRule("int", 1, 4 * MAX_WIDTH, optional=True),
+    "hidden_act": FieldRule("str"),
+    "patch_size": FieldRule("int", 1, 1024),
+    "in_channels": FieldRule("int", 1, 1024),
+    "num_register_tokens": FieldRule("int", 0, 4096),
+    "image_size": FieldRule("ints", 1, 65536, length=2),
+    "norm_eps": FieldRule("float", 1e-30, 1.0),  # > 0: RMSNorm divides by sqrt(mean + eps)
+    "layer_scale_init": FieldRule("float", -1e6, 1e6),
+    "rope_base": FieldRule("float", 1e-6, 1e12),  # > 0: the periods are powers of it
+    "rope_dtype": FieldRule("str"),
+    "rope_shift": FieldRule("float", 0, 1e6, optional=True),
+    "rope_jitter": FieldRule("float", 0, 1e6, optional=True),
+    "rope_rescale": FieldRule("float", 0, 1e6, optional=True),
+    "use_tokenizer": FieldRule("bool"),
+    "tokenizer_window": FieldRule("int", 1, 64),
+    "tokenizer_layers": FieldRule("int", 0, 64),
+    "tokenizer_ffn_dim": FieldRule("int", 1, 4 * MAX_WIDTH, optional=True),
+    "use_mask_token": FieldRule("bool"),
+    "drop_path_rate": FieldRule("float", 0, 1),
+}
+HEAD_FIELD_RULES = {
+    "task": FieldRule("str"),
+    "upsample_channels": FieldRule("ints", 1, MAX_WIDTH, length=16),
+    "conv_channels": FieldRule("ints", 1, MAX_WIDTH, length=16),
+    "out_channels": FieldRule("int", 1, MAX_WIDTH),
+    "upsample_kernel_sizes": FieldRule("ints", 1, 63, optional=True, length=16),
+    "conv_kernel_sizes": FieldRule("ints", 1, 63, optional=True, length=16),
+    "scale_conv_channels": FieldRule("ints", 1, MAX_WIDTH, length=16),
+    "scale_hidden": FieldRule("ints", 1, MAX_WIDTH, length=16),
+    "scale_conv_kernel_sizes": FieldRule("ints", 1, 63, optional=True, length=16),
+    "scale_input_width": FieldRule("int", 1, 2**31, optional=True),
+    "labels": FieldRule("strs", optional=True, length=MAX_WIDTH),
+    "flip_pairs": FieldRule("pairs", 0, MAX_WIDTH - 1, optional=True, length=MAX_WIDTH),
+}
+
+
+def field_problem(value, rule: FieldRule) -> str | None:
+    """Why `value` breaks `rule` (None when it does not)."""
+    if value is None:
+        return None if rule.optional else "must be set"
+    if rule.kind in ("ints", "strs", "pairs"):
+        if not isinstance(value, (list, tuple)):
+            return f"must be a list, got {type(value).__name__}"
+        if len(value) > rule.length or (rule.kind == "ints" and rule.length == 2 and len(value) != 2):
+            return f"has {len(value)} entries; at most {rule.length}" if rule.length != 2 else "must have 2 entries"
+        item = {"ints": FieldRule("int", rule.low, rule.high), "strs": FieldRule("str"),
+                "pairs": FieldRule("ints", rule.low, rule.high, length=2)}[rule.kind]
+        return next((f"entry {i} {p}" for i, v in enumerate(value) if (p := field_problem(v, item))), None)
+    if rule.kind == "str":
+        return None if isinstance(value, str) else f"must be a string, got {type(value).__name__}"
+    if rule.kind == "bool":
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    number_types = (int,) if rule.kind == "int" else (int, float)
+    if isinstance(value, bool) or not isinstance(value, number_types):
+        return f"must be {'an integer' if rule.kind == 'int' else 'a number'}, got {type(value).__name__}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be finite, got {value}"
+    if not rule.low <= value <= rule.high:  # (Python compares any int with a float exactly, no overflow)
+        return f"must be in [{rule.low:g}, {rule.high:g}], got {_short(value)}"
+    return None
+
+
+def _short(value) -> str:
+    """A number for a message: a huge int as its size (str() refuses ints of more than 4300 digits)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
+def checked_fields(d, rules: dict[str, FieldRule], what: str, file_names: dict[str, str] | None = None) -> dict:
+    """`d` (a config dict from a file) when each of its fields follows its rule, else a ValueError naming the
+    first field that does not, by the name the file uses (`file_names`: ours -> the file's, where they differ).
+    Fields without a rule are the dataclass's to refuse."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(d).__name__}")
+    for name, value in d.items():
+        problem = field_problem(value, rules[name]) if name in rules else None
+        if problem:
+            raise ValueError(f"{what} field {(file_names or {}).get(name, name)!r} {problem}")
+    return d
+
+
+def checked_config(d, what: str, file_names: dict[str, str] | None = None) -> Sapiens2Config:
+    """A Sapiens2Config from a dict read from a file (`what` names it), its fields checked first."""
+    return Sapiens2Config.from_dict(checked_fields(d, BACKBONE_FIELD_RULES, what, file_names))
+
+
+def checked_head_config(d, what: str) -> HeadConfig:
+    """A HeadConfig from a dict read from a file (`what` names it), its fields checked first (flip pairs must
+    name outputs the head has)."""
+    head = HeadConfig.from_dict(checked_fields(d, HEAD_FIELD_RULES, what))
+    outside = [pair for pair in head.flip_pairs or () if max(pair) >= head.out_channels]
+    if outside:
+        raise ValueError(f"{what} field 'flip_pairs' names output {max(outside[0])} of {head.out_channels}")
+    return head
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -398,6 +526,21 @@ HF_HEAD_IRRELEVANT_FIELDS = ("model_type", "transformers_version", "dtype", "tor
                              "label2id", *(k for k, why in HF_IRRELEVANT_FIELDS.items() if why == _TRANSFORMERS_RUNTIME))
 # Our own fields that HF has no name for (the 4K tokenizer, the RoPE convention), written under these names.
 EXTRA_CONFIG_FIELDS = ("use_tokenizer", "tokenizer_window", "tokenizer_layers", "tokenizer_ffn_dim", "rope_dtype")
+# Our field -> its config.json name, for messages; and the rules of config.json's head_config fields.
+HF_NAME_OF = {**{ours: theirs for theirs, ours in HF_CONFIG_FIELDS.items()},
+              **dict(zip(("gqa_kv_heads", "full_attention_first", "full_attention_last"), HF_GQA_RULE_FIELDS))}
+# (transformers writes null for the fields a head does not use: each may be null)
+_CHANNELS = replace(HEAD_FIELD_RULES["conv_channels"], optional=True)
+_KERNELS = HEAD_FIELD_RULES["conv_kernel_sizes"]
+HF_HEAD_FIELD_RULES = {
+    **{k: _CHANNELS for k in ("upsample_out_channels", "conv_out_channels", "scale_conv_out_channels",
+                              "scale_final_hidden_sizes")},
+    **{k: _KERNELS for k in ("upsample_kernel_sizes", "conv_kernel_sizes", "scale_conv_kernel_sizes")},
+    **{k: FieldRule("int", 1, 63, optional=True) for k in ("upsample_kernel_size", "conv_kernel_size",
+                                                            "scale_conv_kernel_size")},
+    "scale_final_input_size": HEAD_FIELD_RULES["scale_input_width"],
+    "use_pixel_shuffle": FieldRule("bool", optional=True),
+}
 
 
 def config_from_hf(hf: dict) -> Sapiens2Config:
@@ -420,9 +563,10 @@ def config_from_hf(hf: dict) -> Sapiens2Config:
         cfg["patch_size"] = patch[0]
     if isinstance(cfg.get("image_size"), int):
         cfg["image_size"] = (cfg["image_size"], cfg["image_size"])
-    if cfg.get("drop_path_rate") is not None:
+    if type(cfg.get("drop_path_rate")) is int and abs(cfg["drop_path_rate"]) <= 1:  # (JSON's 0; the rest is checked)
         cfg["drop_path_rate"] = float(cfg["drop_path_rate"])
     cfg.update({k: hf[k] for k in EXTRA_CONFIG_FIELDS if k in hf})
+    checked_fields(cfg, BACKBONE_FIELD_RULES, "config.json", HF_NAME_OF)
     try:
         return Sapiens2Config(**cfg)
     except ValueError as e:
@@ -505,11 +649,12 @@ def head_config_from_hf(hf: dict, predictor_rows: int | None = None) -> HeadConf
     """Our head config from an HF config.json. The output count comes from id2label (what transformers
     writes), else num_labels, else the predictor's weight (`predictor_rows`), and must agree with it."""
     if "sapiens2_head_config" in hf:  # a head HF cannot express (albedo), saved by `save`
-        return HeadConfig.from_dict(hf["sapiens2_head_config"])
+        return checked_head_config(hf["sapiens2_head_config"], "config.json's sapiens2_head_config")
     task = _hf_task(hf)
     head = hf.get("head_config")
     if task is None or not head:
         return None
+    checked_fields(head, HF_HEAD_FIELD_RULES, "config.json's head_config")
     if bool(head.get("use_pixel_shuffle")) == (task in TRANSPOSED_CONV_TASKS):
         kind = "pixel-shuffle" if head.get("use_pixel_shuffle") else "transposed-conv"
         raise ValueError(f"config.json: a {kind} head for {task} is not an architecture this implementation has")
@@ -537,11 +682,11 @@ def head_config_from_hf(hf: dict, predictor_rows: int | None = None) -> HeadConf
     elif predictor_rows is not None and count != predictor_rows:
         raise ValueError(f"config.json: {said} gives {count} outputs, but the predictor weight has {predictor_rows}")
     generic = labels is not None and all(name == f"LABEL_{i}" for i, name in enumerate(labels))
-    return HeadConfig(
-        task, upsample, conv, count,
+    return checked_head_config(dict(
+        task=task, upsample_channels=upsample, conv_channels=conv, out_channels=count,
         upsample_kernel_sizes=upsample_kernels, conv_kernel_sizes=conv_kernels,
         labels=None if generic else labels, flip_pairs=hf.get("flip_pairs") if task == "pose" else None, **scale,
-    )
+    ), "config.json")
 
 
 def _hf_kernel_sizes(head: dict, kind: str, count: int, default: int) -> list[int]:
@@ -581,8 +726,9 @@ def head_config_from_shapes(state: dict[str, torch.Tensor], task: str | None) ->
     deconvs = _indexed(state, "decode_head.deconv_layers.{3j}.weight")
     if deconvs:  # ConvTranspose2d weights are (in, out, k, k)
         task = task or ("pose" if out_channels == OUT_CHANNELS["pose"] else "seg")
-        return HeadConfig(task, [w.shape[1] for w in deconvs], out_channels=out_channels,
-                          upsample_kernel_sizes=[w.shape[-1] for w in deconvs], **conv)
+        return checked_head_config(dict(task=task, upsample_channels=[w.shape[1] for w in deconvs],
+                                        out_channels=out_channels, upsample_kernel_sizes=[w.shape[-1] for w in deconvs],
+                                        **conv), "the tensor shapes")
     ups = _indexed(state, "decode_head.upsample_blocks.{j}.0.weight")  # (4 * out, in, k, k)
     scale_convs = _indexed(state, "decode_head.scale_conv_layers.{3j}.weight")
     linears = _indexed(state, "decode_head.scale_final_layer.{j}.weight")
@@ -594,8 +740,8 @@ def head_config_from_shapes(state: dict[str, torch.Tensor], task: str | None) ->
     if scale_convs:
         scale = dict(scale_conv_channels=[w.shape[0] for w in scale_convs], scale_hidden=[w.shape[0] for w in linears[:-1]],
                      scale_conv_kernel_sizes=[w.shape[-1] for w in scale_convs], scale_input_width=linears[0].shape[1])
-    return HeadConfig(task, [w.shape[0] // 4 for w in ups], out_channels=out_channels,
-                      upsample_kernel_sizes=[w.shape[-1] for w in ups], **scale, **conv)
+    return checked_head_config(dict(task=task, upsample_channels=[w.shape[0] // 4 for w in ups], out_channels=out_channels,
+                                    upsample_kernel_sizes=[w.shape[-1] for w in ups], **scale, **conv), "the tensor shapes")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -836,9 +982,9 @@ def _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides)
             raise ValueError(f"the checkpoint is a {found} checkpoint, but preset {preset} is a {wanted} model")
         source = f"preset {preset}"
     elif "sapiens2_config" in meta:  # written by `save`: exact
-        config = Sapiens2Config.from_dict(json.loads(meta["sapiens2_config"]))
+        config = checked_config(json.loads(meta["sapiens2_config"]), "metadata sapiens2_config")
         if "sapiens2_head_config" in meta:
-            head_config = HeadConfig.from_dict(json.loads(meta["sapiens2_head_config"]))
+            head_config = checked_head_config(json.loads(meta["sapiens2_head_config"]), "metadata sapiens2_head_config")
         source = "the file's metadata"
     elif hf_config:
         config, head_config = config_from_hf(hf_config), head_config_from_hf(hf_config, rows)
@@ -851,7 +997,7 @@ def _configs_for(backbone, head, named_task, hf_config, meta, preset, overrides)
         raise ValueError(f"{source} gives the {head_config.task} head {head_config.out_channels} outputs, "
                          f"but the predictor weight has {rows}")
     try:
-        config = Sapiens2Config.from_dict({**config.to_dict(), **overrides})
+        config = checked_config({**config.to_dict(), **overrides}, "the overrides")
     except TypeError as e:
         raise ValueError(f"bad override: {e}") from e
     if head_config is not None and head_config.task == "pointmap" and head:
@@ -871,14 +1017,14 @@ def _fit_scale_branch(head, head_config: HeadConfig, config: Sapiens2Config, sou
         raise ValueError(f"{source} gives the pointmap scale MLP {head_config.scale_input_width} inputs, "
                          f"but its weight has {width}")
     head_config = replace(head_config, scale_input_width=width)
-    grid = tuple(s // config.size_multiple for s in config.image_size)
-    h, w = scale_branch_grid(grid, head_config.scale_conv_kernel_sizes)
-    if size_given or head_config.scale_conv_channels[-1] * h * w == width:
-        return head_config, config
     m = config.size_multiple
     sizes = [(hs[-1] * m, ws[-1] * m) for hs, ws in scale_branch_fits(head_config, limit=None)]
-    if not sizes:
-        raise ValueError(f"the pointmap scale MLP takes {width} inputs: no input size gives that many")
+    if not sizes:  # (a width of one cell per channel is one of these: instance norm cannot run on a 1 x 1 map)
+        raise ValueError(f"the pointmap scale MLP takes {width} inputs: no input size gives that many "
+                         f"(from a map of more than one cell after the {len(head_config.scale_conv_channels)} "
+                         f"stride-2 convs)")
+    if size_given or scale_branch_problem(head_config, config.image_size, m) is None:
+        return head_config, config
     aspect = config.image_size[0] / config.image_size[1]
     best = min(sizes, key=lambda hw: abs(math.log(hw[0] / hw[1] / aspect)))
     return head_config, replace(config, image_size=best)

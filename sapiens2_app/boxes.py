@@ -19,15 +19,22 @@ from sapiens2_app.inputs import FRAME_KEY, InputImage, clip_of_frame_key, is_vid
 MIN_BLOB_FRACTION = 0.1  # person blobs smaller than this fraction of the largest one are dropped
 MIN_BLOB_AREA = 0.002  # ... and blobs under this fraction of the image
 BLOB_GRID = 512  # connected components are found on the mask max-pooled to at most this many pixels a side
+# People of one image, from any source. All of an image's crops and heatmaps are held at once: ~40 MB a person at
+# 1024x768 (a crop, its mirror for the flip test, a 308 x 256 x 192 heatmap), so 64 people take ~2.6 GB; 1,000 boxes
+# (a 15 KB --boxes file) would take ~40 GB. A --boxes entry with more is refused; a detector's or the segmentation's
+# extra boxes (the lowest-scoring, the smallest) are dropped with a warning.
+MAX_PEOPLE = 64
+MAX_COORDINATE = 1e7  # pixels: a --boxes number beyond this is no image's (and a JSON integer may exceed a float)
 
 
 # ----------------------------------------------------------------------------------------------------
 # --boxes
 # ----------------------------------------------------------------------------------------------------
 def read_boxes_file(path: str) -> dict[str, list[list[float]]]:
-    """--boxes: a JSON object, image file name -> list of COCO [x, y, w, h] boxes in image pixels. Every value
-    a finite number (NaN/Infinity are refused, not JSON anyway), width and height above 0. Boxes reaching
-    outside an image are clipped to it when the image is read; those wholly outside are dropped, with a warning."""
+    """--boxes: a JSON object, image file name -> list of at most MAX_PEOPLE COCO [x, y, w, h] boxes in image pixels.
+    Every value a finite number within MAX_COORDINATE (NaN/Infinity are refused, not JSON anyway), width and height
+    above 0. Boxes reaching outside an image are clipped to it when the image is read; those wholly outside are
+    dropped, with a warning."""
     def refuse_constant(name):
         raise ValueError(f"{name} is not a number JSON allows")
 
@@ -43,12 +50,28 @@ def read_boxes_file(path: str) -> dict[str, list[list[float]]]:
             isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                         for v in b) for b in entry)
         if not ok:
-            raise UsageError(f"--boxes {path}: {name!r} must map to a list of [x, y, w, h] boxes, got {entry!r}")
+            raise UsageError(f"--boxes {path}: {name!r} must map to a list of [x, y, w, h] boxes, got "
+                             f"{shortened(entry)}")
+        if len(entry) > MAX_PEOPLE:
+            raise UsageError(f"--boxes {path}: {name!r} has {len(entry)} boxes; at most {MAX_PEOPLE} people per image "
+                             f"(each takes ~40 MB at 1024x768)")
         for box in entry:
-            if not all(math.isfinite(v) for v in box) or box[2] <= 0 or box[3] <= 0:
-                raise UsageError(f"--boxes {path}: {name!r} has the box {box}: x, y must be finite numbers and "
-                                 f"the width and height above 0 (COCO [x, y, w, h], image pixels)")
+            # abs() before isfinite: a JSON integer too large for a float overflows math.isfinite
+            if not all(abs(v) <= MAX_COORDINATE and math.isfinite(v) for v in box) or box[2] <= 0 or box[3] <= 0:
+                raise UsageError(f"--boxes {path}: {name!r} has the box {shortened(box)}: x, y, w, h must be finite "
+                                 f"numbers within {MAX_COORDINATE:g}, the width and height above 0 (COCO [x, y, w, h], "
+                                 f"image pixels)")
     return boxes
+
+
+def shortened(value, limit: int = 200) -> str:
+    """A value of the user's file for a message: its repr cut to `limit` characters (an integer of more than 4300
+    digits, which repr refuses, as its digit count)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        text = "a number of more than 4300 digits"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def box_keys(item: InputImage) -> tuple[str, ...]:
@@ -179,10 +202,22 @@ def pose_boxes(item: InputImage, image, boxes: dict | None, segmentation,
         kept = [(box, score) for box, fitted, score in zip(detected[:, :4].tolist(), inside, detected[:, 4].tolist())
                 if fitted is not None]
         if kept:
-            return [box for box, _ in kept], "detector", [score for _, score in kept], []
+            if len(kept) > MAX_PEOPLE:  # the highest scores are kept (the order otherwise stays the detector's)
+                kept = sorted(kept, key=lambda pair: -pair[1])
+            kept, warnings = at_most_max_people(kept, item, "detected people, the lowest-scoring")
+            return [box for box, _ in kept], "detector", [score for _, score in kept], warnings
     found = person_boxes(segmentation) if segmentation is not None else []
     found, source = (found, "segmentation") if found else (whole_image_box(image), "whole-image")
-    return [fit_boxes([box], width, height)[0] for box in found], source, None, []
+    found, warnings = at_most_max_people(found, item, "person blobs of the segmentation, the smallest")
+    return [fit_boxes([box], width, height)[0] for box in found], source, None, warnings
+
+
+def at_most_max_people(boxes: list, item: InputImage, what: str) -> tuple[list, list[str]]:
+    """The first MAX_PEOPLE of `boxes` (ordered best first), and a warning when there were more."""
+    if len(boxes) <= MAX_PEOPLE:
+        return boxes, []
+    return boxes[:MAX_PEOPLE], [f"{item.path}: {len(boxes)} {what} {len(boxes) - MAX_PEOPLE} dropped (at most "
+                                f"{MAX_PEOPLE} people per image)"]
 
 
 def fit_boxes(boxes: list[list[float]], width: int, height: int) -> list[list[float] | None]:

@@ -32,7 +32,7 @@ from sapiens2_app.serve_uploads import ClientError
 
 HEAT_MAP_SIDE = 640  # pixels, the longer side of a heat map (the photo is scaled down to it first)
 HEAT_MAP_OPACITY = 0.6
-QUERY = re.compile(r"cls|register:(\d{1,4})|patch:(\d{1,5}),(\d{1,5})")
+QUERY = re.compile(r"cls|register:([0-9]{1,4})|patch:([0-9]{1,5}),([0-9]{1,5})")  # ASCII digits (\d takes any script's)
 WAIT_S = 300  # for the worker: a long photo may be in progress
 SMALL_PHOTOS_BYTES = 64 * 2**20  # the photos scaled down for heat maps (~1 MB each)
 NORMS_KEPT = 256
@@ -70,6 +70,15 @@ def parse_query(text: str) -> Query:
     if match[2] is not None:
         return Query("patch", row=int(match[2]), col=int(match[3]))
     return Query("cls")
+
+
+def decoded(photo, decode):
+    """`decode(photo.upload)`. A photo whose header passed the upload's checks may still fail to decode (a truncated
+    JPEG): that is the client's photo, a 422 naming it as the client did, never by the server's temporary path."""
+    try:
+        return decode(photo.upload)
+    except processing.ImageLoadError as error:
+        raise ClientError(422, str(error).replace(str(photo.upload), photo.name)) from None
 
 
 class BoundedCache:
@@ -140,7 +149,7 @@ class Explorer:
         return height // config.size_multiple, width // config.size_multiple
 
     def pixels(self, photo, backbone) -> torch.Tensor:
-        image = processing.load_image(photo.upload)
+        image = decoded(photo, processing.load_image)
         size = self.models.size or tuple(backbone.config.image_size)
         inputs = processing.preprocess([image], size, pad=False, resample=self.models.resample,
                                        device=self.models.device)
@@ -154,7 +163,7 @@ class Explorer:
             raise ClientError(400, f"block={block}: the {task} backbone has {config.depth} blocks "
                                    f"(0..{config.depth - 1}, or -1 for the last)")
         block %= config.depth
-        if head != "mean" and not (head.isdigit() and int(head) < config.num_heads):
+        if head != "mean" and not (re.fullmatch(r"[0-9]{1,4}", head) and int(head) < config.num_heads):
             raise ClientError(400, f"head={head}: expected mean or a head from 0 to {config.num_heads - 1}")
         grid = self.grid_size(backbone)
         wanted = parse_query(query)
@@ -201,7 +210,7 @@ class Explorer:
         key = (job.id, image)
         if (small := self.small.get(key)) is not None:
             return small
-        picture = pictures.to_pil(photo.upload)
+        picture = decoded(photo, pictures.to_pil)
         scale = HEAT_MAP_SIDE / max(picture.size)
         if scale < 1:
             picture = picture.resize((max(1, round(picture.width * scale)), max(1, round(picture.height * scale))),

@@ -83,8 +83,8 @@ class App:
 class Service:
     """The server: bound at once (a port in use fails before any model loads), serving once attach() gave it its App;
     serve_forever() in this thread (serve.py, where a signal ends it) or in_thread() (tests). close() stops it within
-    seconds: no new job, the worker after its photo (or left behind after `worker_timeout` s: a daemon thread, whose
-    writes the closed store refuses), the temporary folder removed."""
+    seconds: no new job, the worker after its photo (or left behind after `timeout` s: a daemon thread, whose writes
+    the closed store refuses), the temporary folder removed (after a write in progress, or `timeout` s)."""
 
     def __init__(self, host: str, port: int):
         self.server, self.app, self.thread = Server(host, port), None, None
@@ -104,15 +104,18 @@ class Service:
         self.thread.start()
         return self
 
-    def close(self, worker_timeout: float = 3.0):
+    def close(self, timeout: float = 3.0) -> bool:
+        """True when everything stopped; False when work was left in flight (the worker still busy, or a write
+        still holding the folder, after `timeout` s each): serve.py then ends the process without waiting for it."""
         if self.app is not None:
             self.app.stopping.set()
         if self.thread is not None:  # (serve_forever in this thread has ended already: a signal raised out of it)
             self.server.shutdown()
         self.server.server_close()
-        if self.app is not None:
-            self.app.worker.stop(worker_timeout)
-            self.app.store.close()
+        if self.app is None:
+            return True
+        worker_stopped = self.app.worker.stop(timeout)
+        return self.app.store.close(timeout) and worker_stopped
 
 
 class Server(ThreadingHTTPServer):
@@ -199,6 +202,39 @@ class Handler(BaseHTTPRequestHandler):
     def do_DELETE(self):
         self.answer("DELETE")
 
+    # The other methods of RFC 9110 and PATCH: 405 (or 404) in JSON like any refusal, not the standard library's 501
+    # HTML page. A method no RFC names still gets 501, in JSON (send_error).
+    def do_HEAD(self):
+        self.answer("HEAD")
+
+    def do_OPTIONS(self):
+        self.answer("OPTIONS")
+
+    def do_PATCH(self):
+        self.answer("PATCH")
+
+    def do_TRACE(self):
+        self.answer("TRACE")
+
+    def do_CONNECT(self):
+        self.answer("CONNECT")
+
+    def parse_request(self) -> bool:
+        """The standard library's reading of the request line and headers. It may raise on crafted headers (a
+        multipart Content-Type with `boundary*=idna''abc`: email's feed parser decodes the boundary as it reads the
+        headers): a 400, not a connection closed without an answer."""
+        try:
+            return super().parse_request()
+        except Exception as error:  # noqa: BLE001 (what email's parser raises on crafted bytes is open-ended)
+            self.send_error(400, f"malformed request headers ({type(error).__name__})")
+            return False
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
+        """The standard library's own refusals (a malformed request line, headers too long or malformed, a method no
+        RFC names) in JSON, as every other refusal."""
+        self.close_connection = True
+        self.refuse(code, message or self.responses.get(code, ("error",))[0])
+
     def answer(self, method: str):
         try:
             if not host_allowed(self.headers.get("Host"), self.app.hosts, self.app.port):
@@ -242,6 +278,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_bytes(self, status: int, body: bytes, content_type: str, headers: dict | None = None):
         self.start(status, content_type, {"Content-Length": str(len(body)), **(headers or {})})
+        if self.command == "HEAD":  # the headers alone (the body would be read as the next response)
+            self.close_connection = True
+            return
         self.wfile.write(body)
 
     def start(self, status: int, content_type: str, headers: dict | None = None):
@@ -290,9 +329,9 @@ class Handler(BaseHTTPRequestHandler):
 
     # ----- jobs -----------------------------------------------------------------------------------------------
     def create_job(self, **_):
-        length = self.headers.get("Content-Length", "").strip()
+        length = content_length(self.headers.get("Content-Length"))
         chunked = bool(self.headers.get("Transfer-Encoding"))  # (refused by read_body)
-        self.unread = self.app.max_upload_bytes if chunked else int(length) if length.isdigit() else 0
+        self.unread = self.app.max_upload_bytes if chunked else length or 0
         if self.app.stopping.is_set():
             raise ClientError(503, "the server is stopping")
         content_type = self.headers.get("Content-Type", "")
@@ -328,9 +367,11 @@ class Handler(BaseHTTPRequestHandler):
         """The request body, all of it, within --max-upload-mb (413 before reading any of it when it says more)."""
         if self.headers.get("Transfer-Encoding"):
             raise ClientError(411, "send the upload with a Content-Length (chunked uploads are not accepted)")
-        length = self.headers.get("Content-Length", "")
-        if not length.strip().isdigit():
-            raise ClientError(411, "send the upload with a Content-Length")
+        text = self.headers.get("Content-Length")
+        length = content_length(text)
+        if length is None:
+            raise ClientError(411, "send the upload with a Content-Length") if text is None else ClientError(
+                400, f"Content-Length {text[:20]!r}: expected a number of bytes (at most {MAX_LENGTH_DIGITS} digits)")
         limit = self.app.max_upload_bytes
         if self.unread > limit:
             raise ClientError(413, f"the upload is {self.unread / 2**20:.1f} MB, over this server's limit of "
@@ -342,8 +383,8 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             self.app.upload_slots.release()
         self.unread = 0
-        if len(body) < int(length):
-            raise ClientError(400, f"the upload ended after {len(body)} of its {length.strip()} bytes")
+        if len(body) < length:
+            raise ClientError(400, f"the upload ended after {len(body)} of its {length} bytes")
         return body
 
     def job_tasks(self, text: str | None) -> list[str]:
@@ -434,9 +475,22 @@ def query_args(query: str, defaults: dict[str, str]) -> dict[str, str]:
     return {**defaults, **dict(pairs)}
 
 
+MAX_LENGTH_DIGITS = 15  # a Content-Length of up to a petabyte, far over any --max-upload-mb
+
+
+def content_length(text: str | None) -> int | None:
+    """A Content-Length header's number of bytes; None when absent or not ASCII digits ("²" passes str.isdigit and
+    then int() refuses it; int() refuses more than 4300 digits too). Only HTTP's spaces and tabs around it are
+    ignored: str.strip() takes control characters such as \x1d too, which int() does not."""
+    value = None if text is None else text.strip(" \t")
+    if value is None or not re.fullmatch(rf"[0-9]{{1,{MAX_LENGTH_DIGITS}}}", value):
+        return None
+    return int(value)
+
+
 def whole_number(args: dict[str, str], name: str) -> int:
     text = args[name]
-    if not re.fullmatch(r"-?\d{1,6}", text):
+    if not re.fullmatch(r"-?[0-9]{1,6}", text):
         raise ClientError(400, f"{name}={text[:20]!r}: expected a whole number")
     return int(text)
 

@@ -240,17 +240,24 @@ class JobStore:
             states = [job.state for job in self.jobs.values()]
         return {state: states.count(state) for state in ("queued", "running", "done", "failed")}
 
-    def close(self):
-        """No more writes; the folder removed (waits for a write in progress, a fraction of a second)."""
-        with self.write_lock:
+    def close(self, timeout: float | None = None) -> bool:
+        """No more writes; the folder removed. Waits for a write in progress (a fraction of a second, unless the disk
+        or the machine is overloaded) for at most `timeout` seconds (None: as long as it takes); then removes the
+        folder under it (that writer started before close and writes nothing after it). False when it had to."""
+        waited = self.write_lock.acquire(timeout=-1 if timeout is None else timeout)
+        try:
             if self.closed:
-                return
+                return waited
             self.closed = True
             shutil.rmtree(self.folder, ignore_errors=True)
             if self.folder_lock is not None:
                 os.close(self.folder_lock)
+        finally:
+            if waited:
+                self.write_lock.release()
         with self.changed:
             self.changed.notify_all()
+        return waited
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ lenient by design; only the headers of a part go through `email` (quoting, RFC 2
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import unicodedata
@@ -21,14 +22,16 @@ from email.policy import HTTP
 
 from PIL import Image
 
+from sapiens2 import processing
+
 MAX_PARTS = 70  # form fields in one upload: MAX_IMAGES photos and a few fields
 MAX_IMAGES = 64  # photos in one job
 MAX_PART_HEADER_BYTES = 8192
 MAX_FIELD_BYTES = 1024  # a text field (tasks=...)
-# Pixels of one photo, width x height. 40 megapixels holds any camera photo of 2024 (a 7952 x 5304 full-frame sensor
-# is 42 MP: refused; 36 MP and below pass); above it, one image's full-size results (a normal map in float32 is 12
-# bytes a pixel) would grow past 0.5 GB. Pillow itself only refuses above 2 x 89 MP.
-MAX_PIXELS = 40_000_000
+MAX_PIXELS = processing.PIXEL_BUDGET  # pixels of one photo, width x height (why 40 MP: processing.PIXEL_BUDGET)
+# A part's Content-Disposition that plainly names the image field, found in its raw bytes when email cannot read them
+PLAIN_IMAGE_FIELD = re.compile(
+    rb'^content-disposition:[ \t]*form-data[ \t]*;(?:[^\r\n]*;)?[ \t]*name="?image"?[ \t]*(?:;|\r|$)', re.I | re.M)
 BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")  # RFC 2046's bchars, 1..70
 
 # The first bytes of each format Pillow may read here -> Pillow's name for it, which then is the only decoder tried
@@ -63,21 +66,37 @@ class Part:
     name: str  # the form field
     filename: str | None  # as the client sent it (only ever shown, never used as a path)
     data: bytes
+    header_error: str | None = None  # why an image part's headers could not be read (that photo is refused)
 
 
 # ----------------------------------------------------------------------------------------------------
 # multipart/form-data (RFC 7578)
 # ----------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def header_parsing(what: str):
+    """Around `email`'s reading of a header's parameters, which raises on crafted values (RFC 2231 `a*=` in a
+    charset that fails to decode, or a codec such as idna that refuses email's error handler; a NUL in the charset
+    name; a parameter `a*` without a value): a 400 naming `what`, never a 500."""
+    try:
+        yield
+    except ClientError:
+        raise
+    except Exception as error:  # noqa: BLE001 (what the standard library raises on crafted bytes is open-ended)
+        raise ClientError(400, f"malformed multipart upload: {what} cannot be read ({type(error).__name__})") from None
+
+
 def boundary_of(content_type: str) -> bytes:
     """The boundary of a `multipart/form-data; boundary=...` Content-Type, checked against RFC 2046."""
-    headers = BytesHeaderParser(policy=HTTP).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode("latin-1"))
-    if headers.get_content_type() != "multipart/form-data":
-        raise ClientError(415, f"expected a multipart/form-data upload (form fields image and tasks), got "
-                               f"{headers.get_content_type()}")
-    boundary = headers.get_param("boundary")
-    if not isinstance(boundary, str) or not BOUNDARY.fullmatch(boundary.encode("latin-1", "replace")):
+    with header_parsing("the Content-Type header"):
+        raw = f"Content-Type: {content_type}\r\n\r\n".encode("latin-1")  # (http.server decodes headers as latin-1)
+        headers = BytesHeaderParser(policy=HTTP).parsebytes(raw)
+        kind = headers.get_content_type()
+        boundary = headers.get_param("boundary") if kind == "multipart/form-data" else None
+    if kind != "multipart/form-data":
+        raise ClientError(415, f"expected a multipart/form-data upload (form fields image and tasks), got {kind[:100]}")
+    if not isinstance(boundary, str) or not boundary.isascii() or not BOUNDARY.fullmatch(boundary.encode("ascii")):
         raise ClientError(400, "the multipart upload has no valid boundary")
-    return boundary.encode("latin-1")
+    return boundary.encode("ascii")
 
 
 def parse_multipart(content_type: str, body: bytes) -> list[Part]:
@@ -106,13 +125,20 @@ def parse_part(raw: bytes) -> Part:
     split = raw.find(b"\r\n\r\n")
     if split < 0 or split > MAX_PART_HEADER_BYTES:
         raise ClientError(400, "malformed multipart upload: a part's headers are missing or too long")
-    headers = BytesHeaderParser(policy=HTTP).parsebytes(raw[: split + 2] + b"\r\n")
-    if headers.get_content_disposition() != "form-data" or not headers.get_param("name", header="content-disposition"):
+    try:
+        with header_parsing("a part's headers"):  # (email decodes every parameter to read any one of them)
+            headers = BytesHeaderParser(policy=HTTP).parsebytes(raw[: split + 2] + b"\r\n")
+            disposition = headers.get_content_disposition()
+            name = headers.get_param("name", header="content-disposition")
+            filename = headers.get_filename()
+    except ClientError as error:
+        if PLAIN_IMAGE_FIELD.search(raw[:split]):  # a photo's headers: that photo is refused, the others run
+            return Part("image", None, raw[split + 4 :], error.message.removeprefix("malformed multipart upload: "))
+        raise
+    if disposition != "form-data" or not name or not isinstance(name, str):
         raise ClientError(400, "malformed multipart upload: a part without Content-Disposition: form-data; name=...")
-    name = str(headers.get_param("name", header="content-disposition"))
-    filename = headers.get_filename()
     if filename is not None:  # browsers send ", CR and LF in names as %22, %0D, %0A (the HTML standard's encoding)
-        filename = filename.replace("%22", '"').replace("%0D", "\r").replace("%0A", "\n")
+        filename = str(filename).replace("%22", '"').replace("%0D", "\r").replace("%0A", "\n")
     return Part(name, filename, raw[split + 4 :])
 
 
@@ -157,6 +183,8 @@ def sniff_image(data: bytes) -> tuple[str, tuple[int, int]]:
 def check_photo(part: Part, index: int) -> CheckedPhoto:
     """An `image` field of the upload: a photo to run, or refused with the reason (sniff_image)."""
     name = safe_name(part.filename, index)
+    if part.header_error is not None:
+        return CheckedPhoto(name, None, error=f"{name}: {part.header_error}")
     try:
         kind, size = sniff_image(part.data)
     except ValueError as error:
