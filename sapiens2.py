@@ -20,6 +20,10 @@ RoPE comes in two numerical conventions (`Sapiens2Config.rope_dtype`):
 Module and parameter names follow the original checkpoints (`blocks.{i}.attn.wq`, `ffn.w12`, ...), so an
 original file loads without renaming; weights.py maps the other formats onto these names.
 The attention and the q/k-norm+RoPE math live in kernels/ (a PyTorch reference, and Triton on CUDA).
+
+The file reads config -> patch embed -> RoPE -> attention -> MLP -> block -> (4K tokenizer) -> model; the
+plumbing comes last: the library namespace this file also is, the kernels (or, for this file copied alone, their
+math in plain PyTorch), the activation table HF configs may name, and the size presets.
 """
 
 from __future__ import annotations
@@ -37,88 +41,10 @@ from torch import nn
 
 __version__ = "0.1.0"  # the package's version, in this one place (the build reads it from here)
 
-# This file is also the namespace of the library around it: `from sapiens2 import weights, heads, processing,
-# kernels, losses, hub`. Installed, it is sapiens2/__init__.py and Python gives it a __path__; in a checkout it is
-# sapiens2.py beside those modules and gives itself the same one (to `import`, a module with a __path__ is a package).
-if "__path__" not in globals():
-    __path__ = [os.path.dirname(os.path.abspath(__file__))]
-
-
-def one_module(bare_name: str) -> None:
-    """A checkout's files are also importable by their bare names (`import heads`, `import kernels`), and each
-    such file calls this first: the bare name then gives the namespace's own module (sapiens2.heads), so that a
-    process never holds two copies, whose classes fail each other's isinstance and whose `kernels` the model never
-    calls. What the bare file runs after the call fills a module object that nothing keeps (README.md, Install)."""
-    import sys
-
-    module = importlib.import_module(f"{__name__}.{bare_name}")
-    prefix = module.__name__ + "."
-    for name, submodule in list(sys.modules.items()):  # kernels.attention etc.: one copy under either name too
-        if name.startswith(prefix):
-            sys.modules.setdefault(bare_name + name[len(prefix) - 1:], submodule)
-    sys.modules[bare_name] = module
-
 
 # ----------------------------------------------------------------------------------------------------
-# The fused ops: kernels/ beside this file, or the same math in plain PyTorch when this file is alone
-# ----------------------------------------------------------------------------------------------------
-class PlainKernels:
-    """The math of kernels/' PyTorch references in a few lines, for this file copied alone into another project
-    (torch and safetensors only). tests/test_install.py checks that it equals those references bit for bit."""
-
-    @staticmethod
-    def rms_norm_reference(x, weight, eps=1e-6):  # in fp32, rounded once to x's dtype
-        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
-
-    @staticmethod
-    def rope_reference(x, cos, sin):  # rotate the last P = len(cos) tokens, in cos.dtype
-        prefix, patches = x.to(cos.dtype).split((x.shape[-2] - cos.shape[0], cos.shape[0]), dim=-2)
-        half1, half2 = patches.chunk(2, dim=-1)
-        patches = patches * cos + torch.cat((-half2, half1), dim=-1) * sin
-        return torch.cat((prefix, patches), dim=-2).to(x.dtype)
-
-    @staticmethod
-    def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
-        rope, norm = PlainKernels.rope_reference, PlainKernels.rms_norm_reference
-        return rope(norm(q, q_weight, eps), cos, sin), rope(norm(k, k_weight, eps), cos, sin)
-
-    @staticmethod
-    def attention(q, k, v, scale=None):  # GQA: query head h reads key/value head h // (Hq / Hkv)
-        D, gqa = q.shape[-1], q.shape[1] != k.shape[1]
-        if q.is_cuda and D % 8:  # SDPA's flash/cuDNN need D % 8 == 0: zero columns to 80 (exact), sliced off
-            q, k, v = (F.pad(t, (0, -D % 8)) for t in (q, k, v))
-            return F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5 if scale is None else scale,
-                                                  enable_gqa=gqa)[..., :D]
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
-
-    @staticmethod
-    def backend(choice):  # no Triton here: every choice runs the same PyTorch code
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def attention_probs(q, k, scale=None):  # softmax(q k^T * scale) in fp32 or wider, rounded to q's dtype
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
-        return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
-
-
-def load_kernels():
-    """kernels/ beside this file, imported as part of this namespace (sapiens2.kernels): a `kernels` package of
-    another distribution, such as Hugging Face's, stays what the rest of the process imports. Without kernels/,
-    PlainKernels."""
-    try:
-        return importlib.import_module(f"{__name__}.kernels")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.kernels":
-            raise  # kernels/ is there, but something it imports is missing: say so rather than run without it
-        return PlainKernels
-
-
-kernels = load_kernels()
-
-# ----------------------------------------------------------------------------------------------------
-# Config and size presets
+# Config (one row per released size: PRESETS, at the end of the file, after the activation table that
+# building a config checks `hidden_act` against)
 # ----------------------------------------------------------------------------------------------------
 ROPE_DTYPES = ("bfloat16", "float32")
 
@@ -235,37 +161,6 @@ class Sapiens2Config:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         return replace(PRESETS[name], **overrides)
 
-
-# The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
-# them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
-# pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
-# (in transformers too) and the 4K tokenizer's blocks (which transformers lacks) always use SiLU.
-# (Here, before PRESETS: building a config checks its `hidden_act` against this table.)
-_tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
-ACTIVATIONS = {
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
-    "gelu_new": _tanh_gelu, "gelu_python_tanh": _tanh_gelu, "gelu_accurate": _tanh_gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
-    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "relu6": F.relu6, "leaky_relu": F.leaky_relu,
-    "mish": lambda x: x * torch.tanh(F.softplus(x)), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "hardswish": F.hardswish, "linear": lambda x: x,
-}
-
-
-# One row per released size. Parameter counts are of the backbone alone (buffers excluded), as computed
-# from the original architecture table; tests/test_sapiens2.py checks every row on the meta device.
-#           name        C     L   heads  tokenizer layers (used by the 4K variant only)    params
-PRESETS: dict[str, Sapiens2Config] = {
-    "0.1b": Sapiens2Config(768, 12, 12, tokenizer_layers=2),  # 113,993,472 (no GQA block: 12 <= 8 + 8)
-    "0.4b": Sapiens2Config(1024, 24, 16, tokenizer_layers=2),  # 395,450,368
-    "0.8b": Sapiens2Config(1280, 32, 16, tokenizer_layers=3),  # 814,283,520 (head dim 80)
-    "1b": Sapiens2Config(1536, 40, 24, tokenizer_layers=4),  # 1,455,474,176
-    "1b-4k": Sapiens2Config(1536, 40, 24, tokenizer_layers=4, use_tokenizer=True, image_size=(4096, 3072)),  # 1,606,588,928
-    "5b": Sapiens2Config(2432, 56, 32, tokenizer_layers=6),  # 5,066,902,976 (head dim 76)
-}
 
 # ----------------------------------------------------------------------------------------------------
 # Building blocks
@@ -699,3 +594,122 @@ def tokens_to_map(patch_tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """(B, h*w, C) -> (B, C, h, w)."""
     B, _, C = patch_tokens.shape
     return patch_tokens.transpose(1, 2).reshape(B, C, h, w)
+
+
+# ====================================================================================================
+# Plumbing: the library's namespace, the kernels (or their plain-PyTorch math), the activation table, the sizes
+# ====================================================================================================
+# This file is also the namespace of the library around it: `from sapiens2 import weights, heads, processing,
+# kernels, losses, hub`. Installed, it is sapiens2/__init__.py and Python gives it a __path__; in a checkout it is
+# sapiens2.py beside those modules and gives itself the same one (to `import`, a module with a __path__ is a package).
+if "__path__" not in globals():
+    __path__ = [os.path.dirname(os.path.abspath(__file__))]
+
+
+def one_module(bare_name: str) -> None:
+    """A checkout's files are also importable by their bare names (`import heads`, `import kernels`), and each
+    such file calls this first: the bare name then gives the namespace's own module (sapiens2.heads), so that a
+    process never holds two copies, whose classes fail each other's isinstance and whose `kernels` the model never
+    calls. What the bare file runs after the call fills a module object that nothing keeps (README.md, Install)."""
+    import sys
+
+    module = importlib.import_module(f"{__name__}.{bare_name}")
+    prefix = module.__name__ + "."
+    for name, submodule in list(sys.modules.items()):  # kernels.attention etc.: one copy under either name too
+        if name.startswith(prefix):
+            sys.modules.setdefault(bare_name + name[len(prefix) - 1:], submodule)
+    sys.modules[bare_name] = module
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused ops: kernels/ beside this file, or the same math in plain PyTorch when this file is alone
+# ----------------------------------------------------------------------------------------------------
+class PlainKernels:
+    """The math of kernels/' PyTorch references in a few lines, for this file copied alone into another project
+    (torch and safetensors only). tests/test_install.py checks that it equals those references bit for bit."""
+
+    @staticmethod
+    def rms_norm_reference(x, weight, eps=1e-6):  # in fp32, rounded once to x's dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+    @staticmethod
+    def rope_reference(x, cos, sin):  # rotate the last P = len(cos) tokens, in cos.dtype
+        prefix, patches = x.to(cos.dtype).split((x.shape[-2] - cos.shape[0], cos.shape[0]), dim=-2)
+        half1, half2 = patches.chunk(2, dim=-1)
+        patches = patches * cos + torch.cat((-half2, half1), dim=-1) * sin
+        return torch.cat((prefix, patches), dim=-2).to(x.dtype)
+
+    @staticmethod
+    def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
+        rope, norm = PlainKernels.rope_reference, PlainKernels.rms_norm_reference
+        return rope(norm(q, q_weight, eps), cos, sin), rope(norm(k, k_weight, eps), cos, sin)
+
+    @staticmethod
+    def attention(q, k, v, scale=None):  # GQA: query head h reads key/value head h // (Hq / Hkv)
+        D, gqa = q.shape[-1], q.shape[1] != k.shape[1]
+        if q.is_cuda and D % 8:  # SDPA's flash/cuDNN need D % 8 == 0: zero columns to 80 (exact), sliced off
+            q, k, v = (F.pad(t, (0, -D % 8)) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5 if scale is None else scale,
+                                                  enable_gqa=gqa)[..., :D]
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+
+    @staticmethod
+    def backend(choice):  # no Triton here: every choice runs the same PyTorch code
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def attention_probs(q, k, scale=None):  # softmax(q k^T * scale) in fp32 or wider, rounded to q's dtype
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+        return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
+
+
+def load_kernels():
+    """kernels/ beside this file, imported as part of this namespace (sapiens2.kernels): a `kernels` package of
+    another distribution, such as Hugging Face's, stays what the rest of the process imports. Without kernels/,
+    PlainKernels."""
+    try:
+        return importlib.import_module(f"{__name__}.kernels")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.kernels":
+            raise  # kernels/ is there, but something it imports is missing: say so rather than run without it
+        return PlainKernels
+
+
+kernels = load_kernels()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The activations HF configs may name, and the size presets
+# ----------------------------------------------------------------------------------------------------
+# The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
+# them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
+# pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
+# (in transformers too) and the 4K tokenizer's blocks (which transformers lacks) always use SiLU.
+# (Here, before PRESETS: building a config checks its `hidden_act` against this table.)
+_tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
+ACTIVATIONS = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
+    "gelu_new": _tanh_gelu, "gelu_python_tanh": _tanh_gelu, "gelu_accurate": _tanh_gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "relu6": F.relu6, "leaky_relu": F.leaky_relu,
+    "mish": lambda x: x * torch.tanh(F.softplus(x)), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "hardswish": F.hardswish, "linear": lambda x: x,
+}
+
+
+# One row per released size. Parameter counts are of the backbone alone (buffers excluded), as computed
+# from the original architecture table; tests/test_sapiens2.py checks every row on the meta device.
+#           name        C     L   heads  tokenizer layers (used by the 4K variant only)    params
+PRESETS: dict[str, Sapiens2Config] = {
+    "0.1b": Sapiens2Config(768, 12, 12, tokenizer_layers=2),  # 113,993,472 (no GQA block: 12 <= 8 + 8)
+    "0.4b": Sapiens2Config(1024, 24, 16, tokenizer_layers=2),  # 395,450,368
+    "0.8b": Sapiens2Config(1280, 32, 16, tokenizer_layers=3),  # 814,283,520 (head dim 80)
+    "1b": Sapiens2Config(1536, 40, 24, tokenizer_layers=4),  # 1,455,474,176
+    "1b-4k": Sapiens2Config(1536, 40, 24, tokenizer_layers=4, use_tokenizer=True, image_size=(4096, 3072)),  # 1,606,588,928
+    "5b": Sapiens2Config(2432, 56, 32, tokenizer_layers=6),  # 5,066,902,976 (head dim 76)
+}
