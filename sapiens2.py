@@ -386,16 +386,14 @@ class DropPath(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: LayerScale on the attention branch only (the FFN branch has none)."""
 
-    def __init__(self, config: Sapiens2Config, num_kv_heads: int, drop_path: float = 0.0, main: bool = True):
+    def __init__(self, config: Sapiens2Config, num_kv_heads: int, drop_path: float = 0.0):
         super().__init__()
         C = config.embed_dim
         self.ln1 = RMSNorm(C, config.norm_eps)
-        # Tokenizer blocks (main=False) have no q/k-norm and no LayerScale.
-        layer_scale = config.layer_scale_init if main else None
-        self.attn = Attention(C, config.num_heads, num_kv_heads, main, config.norm_eps, layer_scale)
+        self.attn = Attention(C, config.num_heads, num_kv_heads, qk_norm=True, eps=config.norm_eps,
+                              layer_scale=config.layer_scale_init)
         self.ln2 = RMSNorm(C, config.norm_eps)
-        # The tokenizer's blocks have their own FFN width (4C in the original) and always SiLU.
-        self.ffn = SwiGLU(C, config.hidden_dim, config.hidden_act) if main else SwiGLU(C, config.tokenizer_hidden_dim)
+        self.ffn = SwiGLU(C, config.hidden_dim, config.hidden_act)
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, rope=None, keep_attention: bool = False):
@@ -409,6 +407,26 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # The 4K windowed tokenizer
 # ----------------------------------------------------------------------------------------------------
+class TokenizerBlock(nn.Module):
+    """A block of the 4K tokenizer: the main block's pre-norm attention and SwiGLU, with full multi-head attention
+    and no RoPE, q/k-norm, LayerScale or drop path; its own FFN width (4C in the original) and always SiLU.
+    Module names as Block's, as in the original checkpoints (tokenizer.blocks.{i}.attn.wq, ...)."""
+
+    def __init__(self, config: Sapiens2Config):
+        super().__init__()
+        C = config.embed_dim
+        self.ln1 = RMSNorm(C, config.norm_eps)
+        self.attn = Attention(C, config.num_heads, config.num_heads, qk_norm=False, eps=config.norm_eps,
+                              layer_scale=None)
+        self.ln2 = RMSNorm(C, config.norm_eps)
+        self.ffn = SwiGLU(C, config.tokenizer_hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B*windows, 1 + ws*ws, C) -> x."""
+        x = x + self.attn(self.ln1(x), rope=None)[0]
+        return x + self.ffn(self.ln2(x))
+
+
 class WindowTokenizer(nn.Module):
     """Summarizes each ws x ws window of patch tokens into one token (the window's own CLS output).
 
@@ -423,7 +441,7 @@ class WindowTokenizer(nn.Module):
         self.window = ws
         self.w_cls = nn.Parameter(torch.zeros(1, 1, C))
         self.local_pos_embed = nn.Parameter(torch.zeros(1, 1 + ws * ws, C))
-        self.blocks = nn.ModuleList(Block(config, config.num_heads, main=False) for _ in range(config.tokenizer_layers))
+        self.blocks = nn.ModuleList(TokenizerBlock(config) for _ in range(config.tokenizer_layers))
 
     def forward(self, patches: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
         B, _, C = patches.shape
