@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __version__ = "0.1.0"  # the package's version, in this one place (the build reads it from here)
 
@@ -519,6 +520,27 @@ class Sapiens2(nn.Module):
     def kernel_choice(self):
         return kernels.backend(self.kernel_backend) if self.kernel_backend else contextlib.nullcontext()
 
+    # Recompute each main block's activations in the backward pass instead of keeping them (less memory, about
+    # one more forward of compute). The modules and their state-dict keys are unchanged.
+    grad_checkpointing: bool = False
+
+    def set_grad_checkpointing(self, enable: bool = True) -> "Sapiens2":
+        """Gradient checkpointing of the main blocks on or off (as timm's models); returns the model."""
+        self.grad_checkpointing = enable
+        return self
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
+        """One main block, checkpointed when asked for and gradients are on. The recomputation runs in the
+        backward pass, outside forward's kernel choice: it takes the choice again, to run the same kernels."""
+        if not (self.grad_checkpointing and torch.is_grad_enabled()):
+            return block(x, rope)
+
+        def recomputable(x, rope):
+            with self.kernel_choice():
+                return block(x, rope)
+
+        return checkpoint(recomputable, x, rope, use_reentrant=False)
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02):
         """Truncated-normal init as the original; for training from scratch (loading overwrites it)."""
@@ -583,7 +605,7 @@ class Sapiens2(nn.Module):
                 if i in keep_attention:
                     x, probs[i] = block(x, rope, keep_attention=True)
                 else:
-                    x = block(x, rope)
+                    x = self.run_block(block, x, rope)
                 if i in layers:
                     captured[i] = self.ln1(x) if normalize_layers else x
         x = self.ln1(x)
@@ -612,6 +634,55 @@ def tokens_to_map(patch_tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """(B, h*w, C) -> (B, C, h, w)."""
     B, _, C = patch_tokens.shape
     return patch_tokens.transpose(1, 2).reshape(B, C, h, w)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fine-tuning: layer-wise learning-rate decay
+# ----------------------------------------------------------------------------------------------------
+def layer_decay_groups(model: nn.Module, *, lr: float, weight_decay: float, layer_decay: float) -> list[dict]:
+    """AdamW parameter groups of `model`'s trainable parameters, as the original fine-tunes make them.
+
+    `model` is a Sapiens2 or holds one (a task model's `backbone`). Layer 0 is the tokens and the patch embedding
+    (with the 4K tokenizer), layer i + 1 block i, layer depth + 1 everything else (the final norm, a head); a
+    group's "lr_scale" is layer_decay ** (depth + 1 - layer), and, as in timm, the schedule applies it
+    (group["lr"] = lr_now * group["lr_scale"]): "lr" starts as the peak `lr`. Weight decay on all parameters but
+    1-D ones (norms), biases and positional embeddings; the tokens (cls, registers, mask) are decayed, as there.
+    """
+    prefix, backbone = backbone_of(model)
+    depth = backbone.config.depth
+    groups = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        layer = layer_id(name[len(prefix):] if name.startswith(prefix) else None, depth)
+        exempt = param.ndim == 1 or name.endswith(".bias") or "pos_embed" in name
+        if (layer, exempt) not in groups:
+            groups[layer, exempt] = {"params": [], "lr_scale": layer_decay ** (depth + 1 - layer),
+                                     "weight_decay": 0.0 if exempt else weight_decay, "lr": lr}
+        groups[layer, exempt]["params"].append(param)
+    return [groups[key] for key in sorted(groups)]
+
+
+def backbone_of(model: nn.Module) -> tuple[str, "Sapiens2"]:
+    """(its parameter-name prefix, such as "backbone.", the Sapiens2 in `model`)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Sapiens2):
+            return (name + "." if name else ""), module
+    raise TypeError(f"layer_decay_groups: {type(model).__name__} holds no Sapiens2 backbone; pass a Sapiens2 "
+                    "or a model built on one (heads.build_task_model)")
+
+
+def layer_id(backbone_name: str | None, depth: int) -> int:
+    """The original's _get_layer_id_for_sapiens (sapiens/engine/runners/base_runner.py) for a parameter named
+    `backbone_name` inside the backbone (None: outside it)."""
+    if backbone_name is None:
+        return depth + 1
+    if backbone_name.startswith("blocks."):
+        return int(backbone_name.split(".")[1]) + 1
+    if backbone_name in ("cls_token", "mask_token", "pos_embed", "storage_tokens") or \
+            backbone_name.startswith(("patch_embed", "tokenizer")):
+        return 0
+    return depth + 1
 
 
 # ====================================================================================================
