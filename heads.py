@@ -646,10 +646,11 @@ def random_model(task: str, source: str, backbone_size: str | None = None, seed:
     gives the same weights in every process; the caller's random state is left as it was."""
     size = source.split("-", 1)[1] if source in TASK_PRESETS else source if source in PRESETS else RANDOM_MODEL_SIZE
     config = Sapiens2Config.from_preset(backbone_size or size, **backbone_overrides)
-    # The modules draw their init from torch's default generator (nn.Linear's constructor takes no other), so
-    # the weights come from it, seeded, inside fork_rng, which puts the caller's random state back after.
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
+    # The modules draw their init from torch's default CPU generator (nn.Linear's constructor takes no other), so
+    # the weights come from it, seeded, inside fork_rng, which puts the caller's state back after. CPU only:
+    # forking the CUDA generators would start a CUDA context on every GPU of every process.
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
         if task == "features":
             return Sapiens2(config)
         return build_task_model(config, default_head(task, Sapiens2Config.from_preset(size)))
