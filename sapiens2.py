@@ -525,8 +525,9 @@ class Sapiens2(nn.Module):
     grad_checkpointing: bool = False
 
     def set_grad_checkpointing(self, enable: bool = True) -> "Sapiens2":
-        """Gradient checkpointing of the main blocks on or off (as timm's models); returns the model. Blocks whose
-        attention probabilities forward is asked for (`attentions=`) are not checkpointed, nor are the 4K tokenizer's."""
+        """Gradient checkpointing of the main blocks on or off (as timm's models); returns the model. Blocks
+        whose attention probabilities forward is asked for (`attentions=`) are not checkpointed, nor the 4K
+        tokenizer's."""
         self.grad_checkpointing = enable
         return self
 
