@@ -652,11 +652,15 @@ def random_model(task: str, source: str, backbone_size: str | None = None, seed:
     """Random weights with a real architecture, for runs without a checkpoint (--random-init of predict.py,
     train.py and export.py): the head of the size `source` names (a size, or a task preset such as seg-0.4b;
     any other source: RANDOM_MODEL_SIZE), default_head's where that size has no released head, on a
-    `backbone_size` backbone (default: that size). task "features" gives the backbone alone. Seeds torch's
-    generator with `seed` first, so every process builds the same weights."""
+    `backbone_size` backbone (default: that size). task "features" gives the backbone alone. The same `seed`
+    gives the same weights in every process; the caller's random state is left as it was."""
     size = source.split("-", 1)[1] if source in TASK_PRESETS else source if source in PRESETS else RANDOM_MODEL_SIZE
-    torch.manual_seed(seed)
     config = Sapiens2Config.from_preset(backbone_size or size, **backbone_overrides)
-    if task == "features":
-        return Sapiens2(config)
-    return build_task_model(config, default_head(task, Sapiens2Config.from_preset(size)))
+    # The modules draw their init from torch's default CPU generator (nn.Linear's constructor takes no other), so
+    # the weights come from it, seeded, inside fork_rng, which puts the caller's state back after. CPU only:
+    # forking the CUDA generators would start a CUDA context on every GPU of every process.
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        if task == "features":
+            return Sapiens2(config)
+        return build_task_model(config, default_head(task, Sapiens2Config.from_preset(size)))

@@ -20,6 +20,10 @@ RoPE comes in two numerical conventions (`Sapiens2Config.rope_dtype`):
 Module and parameter names follow the original checkpoints (`blocks.{i}.attn.wq`, `ffn.w12`, ...), so an
 original file loads without renaming; weights.py maps the other formats onto these names.
 The attention and the q/k-norm+RoPE math live in kernels/ (a PyTorch reference, and Triton on CUDA).
+
+The file reads config -> patch embed -> RoPE -> attention -> MLP -> block -> (4K tokenizer) -> model; the
+plumbing comes last: the library namespace this file also is, the kernels (or, for this file copied alone, their
+math in plain PyTorch), the activation table HF configs may name, and the size presets.
 """
 
 from __future__ import annotations
@@ -34,91 +38,14 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __version__ = "0.1.0"  # the package's version, in this one place (the build reads it from here)
 
-# This file is also the namespace of the library around it: `from sapiens2 import weights, heads, processing,
-# kernels, losses, hub`. Installed, it is sapiens2/__init__.py and Python gives it a __path__; in a checkout it is
-# sapiens2.py beside those modules and gives itself the same one (to `import`, a module with a __path__ is a package).
-if "__path__" not in globals():
-    __path__ = [os.path.dirname(os.path.abspath(__file__))]
-
-
-def one_module(bare_name: str) -> None:
-    """A checkout's files are also importable by their bare names (`import heads`, `import kernels`), and each
-    such file calls this first: the bare name then gives the namespace's own module (sapiens2.heads), so that a
-    process never holds two copies, whose classes fail each other's isinstance and whose `kernels` the model never
-    calls. What the bare file runs after the call fills a module object that nothing keeps (README.md, Install)."""
-    import sys
-
-    module = importlib.import_module(f"{__name__}.{bare_name}")
-    prefix = module.__name__ + "."
-    for name, submodule in list(sys.modules.items()):  # kernels.attention etc.: one copy under either name too
-        if name.startswith(prefix):
-            sys.modules.setdefault(bare_name + name[len(prefix) - 1:], submodule)
-    sys.modules[bare_name] = module
-
 
 # ----------------------------------------------------------------------------------------------------
-# The fused ops: kernels/ beside this file, or the same math in plain PyTorch when this file is alone
-# ----------------------------------------------------------------------------------------------------
-class PlainKernels:
-    """The math of kernels/' PyTorch references in a few lines, for this file copied alone into another project
-    (torch and safetensors only). tests/test_install.py checks that it equals those references bit for bit."""
-
-    @staticmethod
-    def rms_norm_reference(x, weight, eps=1e-6):  # in fp32, rounded once to x's dtype
-        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
-
-    @staticmethod
-    def rope_reference(x, cos, sin):  # rotate the last P = len(cos) tokens, in cos.dtype
-        prefix, patches = x.to(cos.dtype).split((x.shape[-2] - cos.shape[0], cos.shape[0]), dim=-2)
-        half1, half2 = patches.chunk(2, dim=-1)
-        patches = patches * cos + torch.cat((-half2, half1), dim=-1) * sin
-        return torch.cat((prefix, patches), dim=-2).to(x.dtype)
-
-    @staticmethod
-    def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
-        rope, norm = PlainKernels.rope_reference, PlainKernels.rms_norm_reference
-        return rope(norm(q, q_weight, eps), cos, sin), rope(norm(k, k_weight, eps), cos, sin)
-
-    @staticmethod
-    def attention(q, k, v, scale=None):  # GQA: query head h reads key/value head h // (Hq / Hkv)
-        D, gqa = q.shape[-1], q.shape[1] != k.shape[1]
-        if q.is_cuda and D % 8:  # SDPA's flash/cuDNN need D % 8 == 0: zero columns to 80 (exact), sliced off
-            q, k, v = (F.pad(t, (0, -D % 8)) for t in (q, k, v))
-            return F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5 if scale is None else scale,
-                                                  enable_gqa=gqa)[..., :D]
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
-
-    @staticmethod
-    def backend(choice):  # no Triton here: every choice runs the same PyTorch code
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def attention_probs(q, k, scale=None):  # softmax(q k^T * scale) in fp32 or wider, rounded to q's dtype
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
-        return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
-
-
-def load_kernels():
-    """kernels/ beside this file, imported as part of this namespace (sapiens2.kernels): a `kernels` package of
-    another distribution, such as Hugging Face's, stays what the rest of the process imports. Without kernels/,
-    PlainKernels."""
-    try:
-        return importlib.import_module(f"{__name__}.kernels")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.kernels":
-            raise  # kernels/ is there, but something it imports is missing: say so rather than run without it
-        return PlainKernels
-
-
-kernels = load_kernels()
-
-# ----------------------------------------------------------------------------------------------------
-# Config and size presets
+# Config (one row per released size: PRESETS, at the end of the file, after the activation table that
+# building a config checks `hidden_act` against)
 # ----------------------------------------------------------------------------------------------------
 ROPE_DTYPES = ("bfloat16", "float32")
 
@@ -235,37 +162,6 @@ class Sapiens2Config:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         return replace(PRESETS[name], **overrides)
 
-
-# The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
-# them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
-# pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
-# (in transformers too) and the 4K tokenizer's blocks (which transformers lacks) always use SiLU.
-# (Here, before PRESETS: building a config checks its `hidden_act` against this table.)
-_tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
-ACTIVATIONS = {
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
-    "gelu_new": _tanh_gelu, "gelu_python_tanh": _tanh_gelu, "gelu_accurate": _tanh_gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
-    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "relu6": F.relu6, "leaky_relu": F.leaky_relu,
-    "mish": lambda x: x * torch.tanh(F.softplus(x)), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "hardswish": F.hardswish, "linear": lambda x: x,
-}
-
-
-# One row per released size. Parameter counts are of the backbone alone (buffers excluded), as computed
-# from the original architecture table; tests/test_sapiens2.py checks every row on the meta device.
-#           name        C     L   heads  tokenizer layers (used by the 4K variant only)    params
-PRESETS: dict[str, Sapiens2Config] = {
-    "0.1b": Sapiens2Config(768, 12, 12, tokenizer_layers=2),  # 113,993,472 (no GQA block: 12 <= 8 + 8)
-    "0.4b": Sapiens2Config(1024, 24, 16, tokenizer_layers=2),  # 395,450,368
-    "0.8b": Sapiens2Config(1280, 32, 16, tokenizer_layers=3),  # 814,283,520 (head dim 80)
-    "1b": Sapiens2Config(1536, 40, 24, tokenizer_layers=4),  # 1,455,474,176
-    "1b-4k": Sapiens2Config(1536, 40, 24, tokenizer_layers=4, use_tokenizer=True, image_size=(4096, 3072)),  # 1,606,588,928
-    "5b": Sapiens2Config(2432, 56, 32, tokenizer_layers=6),  # 5,066,902,976 (head dim 76)
-}
 
 # ----------------------------------------------------------------------------------------------------
 # Building blocks
@@ -491,16 +387,14 @@ class DropPath(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: LayerScale on the attention branch only (the FFN branch has none)."""
 
-    def __init__(self, config: Sapiens2Config, num_kv_heads: int, drop_path: float = 0.0, main: bool = True):
+    def __init__(self, config: Sapiens2Config, num_kv_heads: int, drop_path: float = 0.0):
         super().__init__()
         C = config.embed_dim
         self.ln1 = RMSNorm(C, config.norm_eps)
-        # Tokenizer blocks (main=False) have no q/k-norm and no LayerScale.
-        layer_scale = config.layer_scale_init if main else None
-        self.attn = Attention(C, config.num_heads, num_kv_heads, main, config.norm_eps, layer_scale)
+        self.attn = Attention(C, config.num_heads, num_kv_heads, qk_norm=True, eps=config.norm_eps,
+                              layer_scale=config.layer_scale_init)
         self.ln2 = RMSNorm(C, config.norm_eps)
-        # The tokenizer's blocks have their own FFN width (4C in the original) and always SiLU.
-        self.ffn = SwiGLU(C, config.hidden_dim, config.hidden_act) if main else SwiGLU(C, config.tokenizer_hidden_dim)
+        self.ffn = SwiGLU(C, config.hidden_dim, config.hidden_act)
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, rope=None, keep_attention: bool = False):
@@ -514,6 +408,26 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # The 4K windowed tokenizer
 # ----------------------------------------------------------------------------------------------------
+class TokenizerBlock(nn.Module):
+    """A block of the 4K tokenizer: the main block's pre-norm attention and SwiGLU, with full multi-head attention
+    and no RoPE, q/k-norm, LayerScale or drop path; its own FFN width (4C in the original) and always SiLU.
+    Module names as Block's, as in the original checkpoints (tokenizer.blocks.{i}.attn.wq, ...)."""
+
+    def __init__(self, config: Sapiens2Config):
+        super().__init__()
+        C = config.embed_dim
+        self.ln1 = RMSNorm(C, config.norm_eps)
+        self.attn = Attention(C, config.num_heads, config.num_heads, qk_norm=False, eps=config.norm_eps,
+                              layer_scale=None)
+        self.ln2 = RMSNorm(C, config.norm_eps)
+        self.ffn = SwiGLU(C, config.tokenizer_hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B*windows, 1 + ws*ws, C) -> x."""
+        x = x + self.attn(self.ln1(x), rope=None)[0]
+        return x + self.ffn(self.ln2(x))
+
+
 class WindowTokenizer(nn.Module):
     """Summarizes each ws x ws window of patch tokens into one token (the window's own CLS output).
 
@@ -528,7 +442,7 @@ class WindowTokenizer(nn.Module):
         self.window = ws
         self.w_cls = nn.Parameter(torch.zeros(1, 1, C))
         self.local_pos_embed = nn.Parameter(torch.zeros(1, 1 + ws * ws, C))
-        self.blocks = nn.ModuleList(Block(config, config.num_heads, main=False) for _ in range(config.tokenizer_layers))
+        self.blocks = nn.ModuleList(TokenizerBlock(config) for _ in range(config.tokenizer_layers))
 
     def forward(self, patches: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
         B, _, C = patches.shape
@@ -606,6 +520,29 @@ class Sapiens2(nn.Module):
     def kernel_choice(self):
         return kernels.backend(self.kernel_backend) if self.kernel_backend else contextlib.nullcontext()
 
+    # Recompute each main block's activations in the backward pass instead of keeping them (less memory, about
+    # one more forward of compute). The modules and their state-dict keys are unchanged.
+    grad_checkpointing: bool = False
+
+    def set_grad_checkpointing(self, enable: bool = True) -> "Sapiens2":
+        """Gradient checkpointing of the main blocks on or off (as timm's models); returns the model. Blocks
+        whose attention probabilities forward is asked for (`attentions=`) are not checkpointed, nor the 4K
+        tokenizer's."""
+        self.grad_checkpointing = enable
+        return self
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
+        """One main block, checkpointed when asked for and gradients are on. The recomputation runs in the
+        backward pass, outside forward's kernel choice: it takes the choice again, to run the same kernels."""
+        if not (self.grad_checkpointing and torch.is_grad_enabled()):
+            return block(x, rope)
+
+        def recomputable(x, rope):
+            with self.kernel_choice():
+                return block(x, rope)
+
+        return checkpoint(recomputable, x, rope, use_reentrant=False)
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02):
         """Truncated-normal init as the original; for training from scratch (loading overwrites it)."""
@@ -670,7 +607,7 @@ class Sapiens2(nn.Module):
                 if i in keep_attention:
                     x, probs[i] = block(x, rope, keep_attention=True)
                 else:
-                    x = block(x, rope)
+                    x = self.run_block(block, x, rope)
                 if i in layers:
                     captured[i] = self.ln1(x) if normalize_layers else x
         x = self.ln1(x)
@@ -699,3 +636,171 @@ def tokens_to_map(patch_tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """(B, h*w, C) -> (B, C, h, w)."""
     B, _, C = patch_tokens.shape
     return patch_tokens.transpose(1, 2).reshape(B, C, h, w)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fine-tuning: layer-wise learning-rate decay
+# ----------------------------------------------------------------------------------------------------
+def layer_decay_groups(model: nn.Module, *, lr: float, weight_decay: float, layer_decay: float) -> list[dict]:
+    """AdamW parameter groups of `model`'s trainable parameters, as the original fine-tunes make them.
+
+    `model` is a Sapiens2 or holds one (a task model's `backbone`). Layer 0 is the tokens and the patch embedding
+    (with the 4K tokenizer), layer i + 1 block i, layer depth + 1 everything else (the final norm, a head); a
+    group's "lr_scale" is layer_decay ** (depth + 1 - layer), and, as in timm, the schedule applies it
+    (group["lr"] = lr_now * group["lr_scale"]): "lr" starts as the peak `lr`. Weight decay on all parameters but
+    1-D ones (norms), biases and positional embeddings; the tokens (cls, registers, mask) are decayed, as there.
+    """
+    prefix, backbone = backbone_of(model)
+    depth = backbone.config.depth
+    groups = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        layer = layer_id(name[len(prefix):] if name.startswith(prefix) else None, depth)
+        exempt = param.ndim == 1 or name.endswith(".bias") or "pos_embed" in name
+        if (layer, exempt) not in groups:
+            groups[layer, exempt] = {"params": [], "lr_scale": layer_decay ** (depth + 1 - layer),
+                                     "weight_decay": 0.0 if exempt else weight_decay, "lr": lr}
+        groups[layer, exempt]["params"].append(param)
+    return [groups[key] for key in sorted(groups)]
+
+
+def backbone_of(model: nn.Module) -> tuple[str, "Sapiens2"]:
+    """(its parameter-name prefix, such as "backbone.", the Sapiens2 in `model`)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Sapiens2):
+            return (name + "." if name else ""), module
+    raise TypeError(f"layer_decay_groups: {type(model).__name__} holds no Sapiens2 backbone; pass a Sapiens2 "
+                    "or a model built on one (heads.build_task_model)")
+
+
+def layer_id(backbone_name: str | None, depth: int) -> int:
+    """The original's _get_layer_id_for_sapiens (sapiens/engine/runners/base_runner.py) for a parameter named
+    `backbone_name` inside the backbone (None: outside it)."""
+    if backbone_name is None:
+        return depth + 1
+    if backbone_name.startswith("blocks."):
+        return int(backbone_name.split(".")[1]) + 1
+    if backbone_name in ("cls_token", "mask_token", "pos_embed", "storage_tokens") or \
+            backbone_name.startswith(("patch_embed", "tokenizer")):
+        return 0
+    return depth + 1
+
+
+# ====================================================================================================
+# Plumbing: the library's namespace, the kernels (or their plain-PyTorch math), the activation table, the sizes
+# ====================================================================================================
+# This file is also the namespace of the library around it: `from sapiens2 import weights, heads, processing,
+# kernels, losses, hub`. Installed, it is sapiens2/__init__.py and Python gives it a __path__; in a checkout it is
+# sapiens2.py beside those modules and gives itself the same one (to `import`, a module with a __path__ is a package).
+if "__path__" not in globals():
+    __path__ = [os.path.dirname(os.path.abspath(__file__))]
+
+
+def one_module(bare_name: str) -> None:
+    """A checkout's files are also importable by their bare names (`import heads`, `import kernels`), and each
+    such file calls this first: the bare name then gives the namespace's own module (sapiens2.heads), so that a
+    process never holds two copies, whose classes fail each other's isinstance and whose `kernels` the model never
+    calls. What the bare file runs after the call fills a module object that nothing keeps (README.md, Install)."""
+    import sys
+
+    module = importlib.import_module(f"{__name__}.{bare_name}")
+    prefix = module.__name__ + "."
+    for name, submodule in list(sys.modules.items()):  # kernels.attention etc.: one copy under either name too
+        if name.startswith(prefix):
+            sys.modules.setdefault(bare_name + name[len(prefix) - 1:], submodule)
+    sys.modules[bare_name] = module
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused ops: kernels/ beside this file, or the same math in plain PyTorch when this file is alone
+# ----------------------------------------------------------------------------------------------------
+class PlainKernels:
+    """The math of kernels/' PyTorch references in a few lines, for this file copied alone into another project
+    (torch and safetensors only). tests/test_install.py checks that it equals those references bit for bit."""
+
+    @staticmethod
+    def rms_norm_reference(x, weight, eps=1e-6):  # in fp32, rounded once to x's dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+    @staticmethod
+    def rope_reference(x, cos, sin):  # rotate the last P = len(cos) tokens, in cos.dtype
+        prefix, patches = x.to(cos.dtype).split((x.shape[-2] - cos.shape[0], cos.shape[0]), dim=-2)
+        half1, half2 = patches.chunk(2, dim=-1)
+        patches = patches * cos + torch.cat((-half2, half1), dim=-1) * sin
+        return torch.cat((prefix, patches), dim=-2).to(x.dtype)
+
+    @staticmethod
+    def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
+        rope, norm = PlainKernels.rope_reference, PlainKernels.rms_norm_reference
+        return rope(norm(q, q_weight, eps), cos, sin), rope(norm(k, k_weight, eps), cos, sin)
+
+    @staticmethod
+    def attention(q, k, v, scale=None):  # GQA: query head h reads key/value head h // (Hq / Hkv)
+        D, gqa = q.shape[-1], q.shape[1] != k.shape[1]
+        if q.is_cuda and D % 8:  # SDPA's flash/cuDNN need D % 8 == 0: zero columns to 80 (exact), sliced off
+            q, k, v = (F.pad(t, (0, -D % 8)) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5 if scale is None else scale,
+                                                  enable_gqa=gqa)[..., :D]
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+
+    @staticmethod
+    def backend(choice):  # no Triton here: every choice runs the same PyTorch code
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def attention_probs(q, k, scale=None):  # softmax(q k^T * scale) in fp32 or wider, rounded to q's dtype
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+        return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1, dtype=softmax_dtype).to(q.dtype)
+
+
+def load_kernels():
+    """kernels/ beside this file, imported as part of this namespace (sapiens2.kernels): a `kernels` package of
+    another distribution, such as Hugging Face's, stays what the rest of the process imports. Without kernels/,
+    PlainKernels."""
+    try:
+        return importlib.import_module(f"{__name__}.kernels")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.kernels":
+            raise  # kernels/ is there, but something it imports is missing: say so rather than run without it
+        return PlainKernels
+
+
+kernels = load_kernels()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The activations HF configs may name, and the size presets
+# ----------------------------------------------------------------------------------------------------
+# The activations transformers' `hidden_act` may name that have no parameters, as transformers computes
+# them (activations.py ACT2CLS). `hidden_act` is the SwiGLU gate's activation in the main blocks and the
+# pointmap scale MLP's (where transformers applies it); every released model uses "silu". The head convs
+# (in transformers too) and the 4K tokenizer's blocks (which transformers lacks) always use SiLU.
+# (Here, before PRESETS: building a config checks its `hidden_act` against this table.)
+_tanh_gelu = lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))  # noqa: E731
+ACTIVATIONS = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
+    "gelu_new": _tanh_gelu, "gelu_python_tanh": _tanh_gelu, "gelu_accurate": _tanh_gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "relu6": F.relu6, "leaky_relu": F.leaky_relu,
+    "mish": lambda x: x * torch.tanh(F.softplus(x)), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "hardswish": F.hardswish, "linear": lambda x: x,
+}
+
+
+# One row per released size. Parameter counts are of the backbone alone (buffers excluded), as computed
+# from the original architecture table; tests/test_sapiens2.py checks every row on the meta device.
+#           name        C     L   heads  tokenizer layers (used by the 4K variant only)    params
+PRESETS: dict[str, Sapiens2Config] = {
+    "0.1b": Sapiens2Config(768, 12, 12, tokenizer_layers=2),  # 113,993,472 (no GQA block: 12 <= 8 + 8)
+    "0.4b": Sapiens2Config(1024, 24, 16, tokenizer_layers=2),  # 395,450,368
+    "0.8b": Sapiens2Config(1280, 32, 16, tokenizer_layers=3),  # 814,283,520 (head dim 80)
+    "1b": Sapiens2Config(1536, 40, 24, tokenizer_layers=4),  # 1,455,474,176
+    "1b-4k": Sapiens2Config(1536, 40, 24, tokenizer_layers=4, use_tokenizer=True, image_size=(4096, 3072)),  # 1,606,588,928
+    "5b": Sapiens2Config(2432, 56, 32, tokenizer_layers=6),  # 5,066,902,976 (head dim 76)
+}

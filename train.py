@@ -376,7 +376,7 @@ class Run:
         if args.freeze_backbone:
             model.backbone.requires_grad_(False)
         if args.checkpoint_activations:
-            distributed.checkpoint_activations(model)
+            model.backbone.set_grad_checkpointing(True)
         self.model = distributed.wrap(model, args, dist_info)
         self.optimizer = optimization.adamw(distributed.unwrapped(self.model), args)
         self.start = 0

@@ -91,13 +91,3 @@ def fsdp2():
 
 def unwrapped(model):
     return getattr(model, "module", model)
-
-
-def checkpoint_activations(model):
-    """Recompute each backbone block's activations in the backward pass (the modules and their state-dict
-    keys stay as they are: only the blocks' forward is wrapped)."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in model.backbone.blocks:
-        forward = block.forward
-        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)

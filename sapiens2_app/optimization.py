@@ -1,6 +1,6 @@
 """The optimizer of a fine-tune and its recipe, as the original training configs give them: the values per task and
-backbone size (RELEASED_RECIPES), the defaults a run takes from them (resolve_recipe), the AdamW parameter groups
-(layer-wise learning-rate decay; no weight decay on 1-D parameters, biases and pos_embed) and the learning-rate
+backbone size (RELEASED_RECIPES), the defaults a run takes from them (resolve_recipe), the AdamW optimizer over the
+library's parameter groups (sapiens2.layer_decay_groups: layer-wise learning-rate decay) and the learning-rate
 schedule (warmup from 1e-3 x lr, then linear down; a cosine on request)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from sapiens2 import PRESETS, heads
+from sapiens2 import PRESETS, heads, layer_decay_groups
 from sapiens2_app.cli import UsageError
 
 
@@ -168,44 +168,8 @@ def recipe_table() -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Parameter groups and schedule
+# The schedule (the parameter groups, with layer-wise lr decay: sapiens2.layer_decay_groups)
 # ----------------------------------------------------------------------------------------------------
-EMBEDDING_NAMES = ("backbone.cls_token", "backbone.mask_token", "backbone.pos_embed", "backbone.storage_tokens")
-EMBEDDING_PREFIXES = ("backbone.patch_embed", "backbone.tokenizer")
-
-
-def layer_id(name: str, depth: int) -> int:
-    """The original's _get_layer_id_for_sapiens (sapiens/engine/runners/base_runner.py): 0 = the tokens and the
-    patch embedding, i + 1 = block i, depth + 1 = everything else (the final norm, the head)."""
-    if name.startswith("backbone.blocks."):
-        return int(name.split(".")[2]) + 1
-    if name in EMBEDDING_NAMES or name.startswith(EMBEDDING_PREFIXES):
-        return 0
-    return depth + 1
-
-
-def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """The original's exemptions (_generate_param_groups): 1-D parameters (norms), biases and positional
-    embeddings; the tokens (cls, storage, mask) are decayed, as there."""
-    return param.ndim == 1 or name.endswith(".bias") or "pos_embed" in name
-
-
-def parameter_groups(model, args) -> list[dict]:
-    """AdamW groups of the trainable parameters: layer-wise lr decay over the blocks (lr x decay^(depth + 1 -
-    layer_id)), weight decay but for no_weight_decay's."""
-    depth = model.config.depth
-    groups = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        layer, exempt = layer_id(name, depth), no_weight_decay(name, param)
-        if (layer, exempt) not in groups:
-            groups[layer, exempt] = {"params": [], "lr_scale": args.layer_decay ** (depth + 1 - layer),
-                                     "weight_decay": 0.0 if exempt else args.weight_decay, "lr": args.lr}
-        groups[layer, exempt]["params"].append(param)
-    return [groups[key] for key in sorted(groups)]
-
-
 def learning_rate(step: int, total: int, warmup: int, peak: float, floor: float, schedule: str = "linear") -> float:
     """The lr of optimizer step `step` (0-based) of `total`: `warmup` steps linear from WARMUP_START_FACTOR x peak
     toward the peak (the configs' LinearLR), then from the peak down to `floor` at step `total`, linearly (their
@@ -219,7 +183,8 @@ def learning_rate(step: int, total: int, warmup: int, peak: float, floor: float,
 
 def adamw(model, args) -> torch.optim.AdamW:
     """AdamW (the configs' betas) over the parameter groups of the model's trainable parameters."""
-    return torch.optim.AdamW(parameter_groups(model, args), lr=args.lr, betas=BETAS, weight_decay=args.weight_decay)
+    groups = layer_decay_groups(model, lr=args.lr, weight_decay=args.weight_decay, layer_decay=args.layer_decay)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, weight_decay=args.weight_decay)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float):

@@ -1,6 +1,7 @@
 """Documented snippets that promise to run as written do: extracted from docs/research.md and run in order, each seeing the
 names the ones before it made, in a scratch folder (offline: they make their own random checkpoint)."""
 
+import ast
 import re
 import runpy
 
@@ -11,12 +12,32 @@ from sapiens2 import kernels
 from conftest import ROOT
 
 
-def python_snippets(section_title: str) -> list[str]:
-    """The ```python blocks of docs/research.md's section `## {section_title}...`, up to the next `## ` heading."""
-    text = (ROOT / "docs" / "research.md").read_text()
+def python_snippets(section_title: str, page: str = "docs/research.md", next_heading: str = "\n## ") -> list[str]:
+    """The ```python blocks of `page`'s section `## {section_title}...`, up to the next heading `next_heading`."""
+    text = (ROOT / page).read_text()
     start = text.index(f"\n## {section_title}")
-    end = text.find("\n## ", start + 1)
+    end = text.find(next_heading, start + 1)
     return re.findall(r"```python\n(.*?)```", text[start:end if end != -1 else None], re.S)
+
+
+def imported_packages(code: str) -> set[str]:
+    """The top-level packages a snippet imports (`from sapiens2.kernels import x` -> sapiens2)."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("page, section", [("README.md", "Python API"), ("docs/research.md", "For researchers")])
+def test_library_examples_import_only_the_library(page, section):
+    """A library user's examples run on the library alone (torch and sapiens2); the app's pictures have their own
+    section, which says they are the app's."""
+    snippets = python_snippets(section, page, next_heading="\n#")  # up to the next heading of any level
+    assert snippets, f"no python examples in {page}'s {section}"
+    assert [imported_packages(code) - {"torch", "sapiens2"} for code in snippets] == [set()] * len(snippets)
 
 
 def run_snippet(code: str, path, names: dict) -> dict:
@@ -42,7 +63,6 @@ def test_researcher_section_runs_as_written(in_scratch_folder):
     assert out.layers[0].shape == (1, 64, 16, 12) and out.layer_cls[0].shape == (1, 64)
     assert out.layer_registers[0].shape == (1, 8, 64) and out.attentions[3].shape == (1, 4, 201, 201)
     assert names["cls_map"].shape == (16, 12)
-    assert (in_scratch_folder / "cls_attention.png").is_file()
 
     names = run_snippet(snippets[1], in_scratch_folder / "snippet2.py", names)
     assert kernels.attention is names["my_attention"] and names["features"].shape == (1, 64, 16, 12)

@@ -13,7 +13,7 @@ import torch
 
 from sapiens2 import heads
 import train
-from sapiens2 import PRESETS, Sapiens2Config
+from sapiens2 import PRESETS, Sapiens2Config, layer_decay_groups
 from sapiens2_app import optimization, starting_model
 from test_train import HEADS, make_dataset, read_log, tiny_backbone
 
@@ -238,9 +238,8 @@ def test_parameter_groups_are_the_originals(task):
     model.backbone.blocks[0].requires_grad_(False)
     names = [n for n, _ in model.named_parameters()]
     assert any("pos_embed" in n for n in names) and "backbone.mask_token" in names
-    args = parsed("--lr", "2e-4", "--layer-decay", "0.8", "--weight-decay", "0.1")
-    ours = {id(p): (args.lr * g["lr_scale"], g["weight_decay"]) for g in optimization.parameter_groups(model, args)
-            for p in g["params"]}
+    groups = layer_decay_groups(model, lr=2e-4, weight_decay=0.1, layer_decay=0.8)  # the library's, as train.py's
+    ours = {id(p): (g["lr"] * g["lr_scale"], g["weight_decay"]) for g in groups for p in g["params"]}
     expected = original_groups(model, 2e-4, 0.1, 0.8, config.depth)
     by_name = {n: ours[id(p)] for n, p in model.named_parameters() if id(p) in ours}
     assert by_name.keys() == expected.keys() and not any(n.startswith("backbone.blocks.0.") for n in by_name)
