@@ -1,92 +1,34 @@
-"""Triton flash attention (non-causal, GQA), forward and backward.
+"""The Hopper-only variants of the flash attention in attention_triton.py: opt-in, never chosen by auto.
 
-Imported lazily by kernels/attention.py (never at `import kernels` time). The definition is
-`attention_reference`:  o[b, h] = softmax(q[b, h] @ k[b, g]^T * scale) @ v[b, g],  g = h // (Hq / Hkv).
-
-Forward (FlashAttention-2 online softmax, base 2): one program owns BLOCK_M query rows of one (b, h) and
-streams the N keys/values of head g in BLOCK_N tiles, keeping a running max m, a running sum l and an fp32
-accumulator; it writes o = acc / l and the log-sum-exp lse = m + log2(l) (base 2, scaled) for the backward.
-    * GQA: the program reads key/value head g = h // r directly; K/V are never repeated in memory, and the r
-      query heads of one group are neighbours in the grid so their K/V tiles are shared through L2.
-      Packing (PACK, autotuned beside the unpacked tiles): one program stacks the r query heads of K/V
-      head g in its tile's rows (BLOCK_M / r tokens of each), so every K/V tile it loads serves the whole
-      group through one dot; the packed 256-row tile reads half the K/V bytes of the 128-row tiles.
-    * Ragged N: the key loop runs over the full tiles without any masking, then one masked tail tile
-      (scores of keys >= N set to -inf). Query rows >= N are computed on zeros and never stored.
-    * Loop order (OVERLAP, autotuned): the next tile's Q K^T is issued before this tile's P V, so the P V
-      wgmma runs while the next softmax is computed (FlashAttention-3's intra-warpgroup overlap, written as a
-      software pipeline in the loop; Triton keeps the P V wgmma in flight across the iteration). It holds two
-      score tiles, so the largest tiles keep the plain order (softmax, then P V), which alternates MMA and
-      softmax. bench/inspect_kernels.py reads which one a compiled kernel does (column ex2@mma).
-    * K/V loads (TMA, autotuned, Hopper and later): tensor descriptors made in the kernel, one per tensor and
-      column chunk, so the copy engine (UTMALDG) streams the tiles into shared memory and zero-fills the rows
-      past N and the columns past D; else pointer loads that Triton pipelines with cp.async. TMA needs heads
-      on 16-byte boundaries (tma_usable; the aligned layout gives that at 5b too) and an allocator for the
-      descriptors (installed on first use unless the user set one).
-    * Persistent grid (PERSISTENT, autotuned): one program per SM walks the tiles with a grid-stride loop; the
-      K/V descriptors ((B, N, Hkv, D), one per column chunk) are made once per program either way.
-    * exp2 on the FMA units (POLY_EXP2, autotuned, bf16/fp16): half of the full tiles' exp2s (the odd columns)
-      from a degree-3 polynomial instead of MUFU, which at D = 64 is as slow as the tensor cores (_exp2_split).
-    * Head dims that are not a power of two (80 in 0.8b, 76 in 5b) are NOT padded to 128: D is split into
-      a power-of-two chunk D0 <= D plus a second chunk D1 = next_pow2(D - D0) >= 16 (80 = 64 + 16,
-      76 = 64 + 16 with 12 columns masked, 96 = 64 + 32), each with its own tl.dot, so the MMA work is
-      D0 + D1 instead of next_pow2(D) (80 vs 128 columns: 37.5% less).
-    * Precision: tl.dot accumulates in fp32; P (and dS in the backward) is rounded to the input dtype for
-      its matmul, as in FlashAttention. fp32 inputs use 3xTF32 dots on CUDA (about fp32 accuracy on the
-      tensor cores; plain tf32 when torch.backends.cuda.matmul.allow_tf32 is set) and exact fp32 dots in
-      the interpreter.
-    * Output layout: o is (B, N, Hq, D)-contiguous memory viewed as (B, Hq, N, D), so the model's
-      `o.transpose(1, 2).reshape(B, N, Hq * D)` is free.
-Backward (FlashAttention-2, no atomics, deterministic): delta = rowsum(dO * O) (a small kernel); a dK/dV
-kernel with one program per BLOCK_N keys of one (b, g) that loops over the r query heads of its group and
-all query tiles (so GQA's sum over the group happens in registers); and a dQ kernel with one program per
-BLOCK_M queries that loops over the keys. P is recomputed from q, k and the saved lse.
-
-Limits: D in [16, 256]; q, k, v of one dtype among fp16, bf16, fp32; any strides (a unit stride on D
-is what makes the loads fast); Hq % Hkv == 0.
-Block sizes: autotuned on CUDA (key: N, B * Hq, D, dtype) over configurations chosen for Hopper (H100/H200:
-128 x 64 and 128 x 128 tiles with 8 warps for big grids, 64-row tiles when B * Hq * cdiv(N, 128) leaves
-SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTERPRET=1).
-Not done here (unmeasured without a GPU; see kernels/README.md): Triton's automatic warp specialization
-(tl.range(warp_specialize=True)) does not apply on sm_90 in triton 3.9 (with 8 warps the SASS is unchanged; with
-4 warps the pass fails to compile), so there is no producer warpgroup or ping-pong of two consumer warpgroups
-(r128, two programs per SM, is the nearest thing). The backward has OVERLAP and TMA variants too (autotuned, see
-the configurations), no POLY_EXP2 (its exp2s are a smaller share of its work: 3 or 4 MMAs per tile of exp2s
-instead of 2).
+Same function, same limits, same launch signatures as attention_triton.py (its forward and backward are the ones
+to read first). One kernel per pass carries the variant flags; the autotuner times them beside the plain tiles:
+    PACK        the GROUP query heads of one K/V head stacked in a forward tile's rows (K/V loaded once per group)
+    TMA         K/V (forward, dQ) or q/dO (dK/dV) tiles through tensor descriptors (Hopper's copy engine)
+    OVERLAP     the next tile's scores issued before this tile's P V (or dQ / dK) MMA: softmax under the MMA
+    POLY_EXP2   half of the full tiles' exp2s on the FMA units (a degree-3 polynomial; bf16/fp16 only)
+    PERSISTENT  one program per SM walks the tiles (grid-stride loop)
+and r128 (maxnreg=128: two 8-warp programs per SM). None of them has been timed on a GPU: SAPIENS2_KERNELS=fastest
+(kernels/attention.py) and bench/kernels.py's forced labels reach them; auto runs SDPA, SAPIENS2_KERNELS=triton
+attention_triton.py. What each variant does to registers, spills and the SASS, and why each configuration is in
+the lists below, is in docs/kernels.md (from bench/inspect_kernels.py's sm_90a compiles).
 """
 
-import math
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from . import dispatch
-from .attention import attention_reference
+from . import attention_triton as base
+from .attention_triton import (AUTOTUNE_KEY, LOG2E, FlashAttention, _dot, attention_delta, batch_bucket,
+                               check_inputs, check_out, config_label, drop_excluded, dot_precision, empty_bnhd,
+                               excluded_configs, head_dim_chunks, launch_options)
 from .dispatch import launched_on_device
-from .grid_triton import (aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords,
-                          tile_coords)
-
-LOG2E = 1.4426950408889634
+from .grid_triton import aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords, tile_coords
 
 # ----------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc + a @ b (acc None: a @ b) with fp32 accumulation. Passing the accumulator into the dot (instead of
-    adding its result) accumulates inside the wgmma, so the result need not be waited for and added before
-    the next step. UPCAST_DOT (set only when interpreting on CPU) widens the operands to fp32 first: the
-    Triton interpreter multiplies bf16 operands as their raw 16-bit integers. Products of bf16/fp16 values
-    are exact in fp32, so this computes what the tensor cores compute."""
-    if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -207,7 +149,7 @@ def _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N
 
 
 @triton.jit
-def _attn_fwd_kernel(
+def _attn_fwd_hopper_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, N, D) x2, any strides (TMA: aligned heads, unit stride on D)
     o_ptr,  # (B, Hq, N, D) output, any strides (the launcher makes it (B, N, Hq, D)-contiguous)
     lse_ptr,  # (B * Hq, N) fp32: base-2 log-sum-exp of the scaled scores, for the backward
@@ -343,24 +285,6 @@ def _attn_fwd_tile(
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(
-    o_ptr, do_ptr,  # (B, Hq, N, D), any strides
-    delta_ptr,  # (B * Hq, N) fp32 output: rowsum(dO * O)
-    N, HQ, sob, soh, son, sod, sgb, sgh, sgn, sgd,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
-    bh = b * HQ + h
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod, mask=mask, other=0.0)
-    do = tl.load(do_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :] * sgd, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(delta_ptr + bh * N + offs_m, delta, mask=offs_m < N)
-
-
-@triton.jit
 def _query_rows(desc, image_base, h, start_m, N, sh, sn, sd, col0, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
                 BLOCK_M: tl.constexpr, TMA: tl.constexpr):
     """Rows start_m .. start_m + BLOCK_M, columns col0 .. col0 + COLS of query-side head h (q or dO) of one image:
@@ -447,7 +371,7 @@ def _dkdv_keys(dsT, q0, q1, dk0, dk1, D1: tl.constexpr, DOT_PRECISION: tl.conste
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
+def _attn_bwd_dkdv_hopper_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides (TMA: aligned q and dO heads, unit stride on D)
     dk_ptr, dv_ptr,  # (B, Hkv, N, D) outputs, any strides
     lse_ptr, delta_ptr,  # (B * Hq, N) fp32 from the forward and the delta kernel
@@ -590,7 +514,7 @@ def _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
+def _attn_bwd_dq_hopper_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides (TMA: aligned K/V heads, unit stride on D)
     dq_ptr,  # (B, Hq, N, D) output, any strides
     lse_ptr, delta_ptr,  # (B * Hq, N) fp32
@@ -676,7 +600,7 @@ def _attn_bwd_dq_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Block-size choice: autotuned on CUDA, fixed when interpreting
+# Configurations: autotuned on CUDA, fixed (with the flags from `blocks`) otherwise
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -703,27 +627,25 @@ def _prune_packing(configs, named_args, **kwargs):
 
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
-    """True when K/V tiles can be loaded through TMA tensor descriptors: a Triton with `make_tensor_descriptor`
-    (3.4+), a GPU with the TMA engine (Hopper, compute capability 9.0; the CPU interpreter emulates it), and
-    tensors whose heads start on 16-byte boundaries with a unit stride on D (what the copy engine requires) and no
-    broadcast (zero) strides."""
+    """True when tiles can be loaded through TMA tensor descriptors: a Triton with `make_tensor_descriptor` (3.4+),
+    a GPU with the TMA engine (the CPU interpreter emulates it), and tensors whose heads start on 16-byte
+    boundaries with a unit stride on D and no broadcast (zero) strides."""
     if not hasattr(tl, "make_tensor_descriptor"):
         return False
-    if compiled_for_gpu(tensors[0]) and not _has_tma_engine(tensors[0]):
+    if base.compiled_for_gpu(tensors[0]) and not _has_tma_engine(tensors[0]):
         return False
     return all(heads_aligned(t) and t.data_ptr() % 16 == 0 and min(t.stride()[:3]) > 0 for t in tensors)
 
 
 def _has_tma_engine(t: torch.Tensor) -> bool:
     """An NVIDIA Hopper GPU, compute capability 9.0 exactly: the TMA configurations are compiled and checked for
-    sm_90a only. ROCm reports its MI300 as 9.4 through the same call, and Blackwell's 10.x has not been checked.
-    (bench/inspect_kernels.py overrides this: it compiles for sm_90a.)"""
+    sm_90a only (ROCm's MI300 reports 9.4 through the same call). bench/inspect_kernels.py overrides this."""
     return torch.version.hip is None and tuple(torch.cuda.get_device_capability(t.device)) == (9, 0)
 
 
 def _ensure_allocator():
-    """Descriptors made inside a kernel (tl.make_tensor_descriptor) live in a per-launch scratch buffer that Triton
-    asks an allocator for. Install one backed by torch's caching allocator, unless the user installed their own."""
+    """Descriptors made inside a kernel live in a per-launch scratch buffer that Triton asks an allocator for.
+    Install one backed by torch's caching allocator, unless the user installed their own."""
     from triton.runtime import _allocation
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
@@ -740,33 +662,7 @@ def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device=device)
 
 
-# (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
-# wgmma) when the grid is large, 64-row tiles to fill the 132 SMs at batch 1. Every configuration the
-# autotuner may pick is compiled for sm_90a and read back by bench/inspect_kernels.py (no GPU needed; table
-# in bench/results/inspect_kernels_sm90a.json): all use wgmma and cp.async, none spills at D = 64, 80 and
-# 76. Pruned as unable to win: forward 128 x 32 with 4 warps (a 128-row tile on one warpgroup, 184
-# registers, and N = 32 wgmmas), and the 4-warp dQ tile with BLOCK_N = 32.
-# GQA packing (PACK; the GROUP query heads of a K/V head share a tile's rows, so each K/V tile is loaded once
-# per group instead of once per head): K/V bytes read per program are the same as without packing, so the
-# traffic falls with the rows per tile. The packed 256-row tile (128 tokens x 2 heads at GQA 2) halves the K/V
-# reads of the 128-row tiles, with 214-246 registers and no spills at D = 64/80/76 (an unpacked 256-row tile
-# hits 255 registers and local memory at D = 80, and pads N = 3081 to 3328 rows instead of 3200). Packed
-# twins of the smaller tiles only shorten the ragged last tile. The autotuner times packed and unpacked
-# configurations alike; packed ones are dropped for MHA blocks (_prune_packing).
-# OVERLAP (the softmax under the P V wgmma) keeps a second score tile alive: spill-free at 128 x 64 (138-191
-# registers) and with TMA at 128 x 128 (226-236), but the 256-row packed tiles and the cp.async 128 x 128 /
-# 64 x 128 tiles spill with it, so those run in the plain order. TMA configurations (K/V through descriptors) are
-# left out where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_autotuned).
-# r128 (maxnreg=128): the plain 128 x 64 tile compiles into 122-128 registers without spills at D = 64/80/76, so
-# two 8-warp programs fit an SM (65,536 registers) and each one's MMAs overlap the other's softmax, the way
-# FlashAttention-3 pairs two warpgroups (column cta/sm of bench/inspect_kernels.py). The OVERLAP tiles spill
-# under that cap (4-88 bytes): they run one program per SM, their overlap inside the program.
-# Backward: OVERLAP (the next tile's scores issued before this tile's dQ or dK MMA) and TMA (dQ streams K/V, dK/dV
-# streams q/dO) where they compile without spills at D = 64/80/76: dK/dV with both spills at 5b (76), and its
-# 64 x 128 overlapped tile spills everywhere, so dK/dV has them apart; 32-row dK/dV tiles with OVERLAP (201-206
-# registers), dQ 128 x 64 with OVERLAP (237 registers) and with TMA (209-226).
-
-
+# Why each configuration is here (registers, spills, what it trades): docs/kernels.md, "The Hopper variants".
 def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False, persistent=False, maxnreg=None):
     return _configs(shapes, maxnreg, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2, PERSISTENT=persistent)
 
@@ -794,38 +690,21 @@ _DKDV_CONFIGS = (_bwd_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3),
 _DQ_CONFIGS = (_bwd_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
                + _bwd_configs([(128, 64, 8, 3), (64, 64, 4, 3)], overlap=True)
                + _bwd_configs([(128, 64, 8, 3)], tma=True, overlap=True))
-# fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
-# stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
+# fp32 operands (3xTF32 dots): smaller tiles, two stages (these still spill a little at D = 80).
 _FWD_CONFIGS_FP32 = _fwd_configs([(128, 32, 8, 2), (64, 32, 4, 2)]) + _fwd_configs([(128, 32, 8, 2)], pack=True)
 _DKDV_CONFIGS_FP32 = _bwd_configs([(16, 64, 4, 2), (32, 64, 8, 2)])
 _DQ_CONFIGS_FP32 = _bwd_configs([(64, 16, 4, 2), (64, 32, 8, 2)])
-# GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
-# tile (nor the same K/V traffic). B * H enters bucketed (batch_bucket): a new batch size in the same bucket
-# (the last, smaller batch of a run) reuses the tuned choice instead of timing every configuration again.
-_KEY = ["N", "BH_BUCKET", "HEAD_DIM", "GROUP"]
-
-
-def batch_bucket(rows: int) -> int:
-    """B * H in the autotuning key: below the 132 SMs of an H100/H200 (a grid too small to fill the GPU, where
-    64-row tiles win), or the power of 4 at or above it (132+, 528+, 2112+, ...)."""
-    if rows < 132:
-        return 1
-    bucket = 132
-    while bucket * 4 <= rows:
-        bucket *= 4
-    return bucket
 
 
 def _autotuned(kernel, configs, tma: bool):
     """The autotuned launcher over `configs`, or over those without TMA when `tma` is False. Two launchers per
-    kernel, chosen at every launch by tma_usable: whether the tensors can be read through descriptors is not in
-    the autotuning key, so one launcher's cached choice (a TMA configuration, tuned on aligned tensors) would be
-    reused for tensors that TMA cannot read (a view 4 bytes off)."""
+    kernel, chosen at every launch by tma_usable: alignment is not in the autotuning key, so one launcher's cached
+    TMA choice would otherwise be reused for tensors that TMA cannot read (a view 4 bytes off)."""
     configs = [c for c in configs if tma or not c.kwargs.get("TMA")]
-    return triton.autotune(configs, key=_KEY, prune_configs_by={"early_config_prune": _prune_packing})(kernel)
+    return triton.autotune(configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_packing})(kernel)
 
 
-_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+_KERNELS = {"fwd": _attn_fwd_hopper_kernel, "dkdv": _attn_bwd_dkdv_hopper_kernel, "dq": _attn_bwd_dq_hopper_kernel}
 _CONFIGS = {  # (kernel, operands are fp32) -> configurations
     ("fwd", False): _FWD_CONFIGS, ("dkdv", False): _DKDV_CONFIGS, ("dq", False): _DQ_CONFIGS,
     ("fwd", True): _FWD_CONFIGS_FP32, ("dkdv", True): _DKDV_CONFIGS_FP32, ("dq", True): _DQ_CONFIGS_FP32,
@@ -834,60 +713,14 @@ _TUNED = {  # (kernel, operands are fp32, TMA usable) -> autotuned launcher
     (name, fp32, tma): _autotuned(_KERNELS[name], configs, tma)
     for (name, fp32), configs in _CONFIGS.items() for tma in (False, True)
 }
-
-def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
-    """A configuration's name in benchmarks and inspection tables: BLOCK_M x BLOCK_N, warps, stages, then the
-    flags: p GQA-packed tile, t TMA descriptors, o MMA overlapped with the exp2s (OVERLAP), x half of the exp2s on
-    the FMA units (POLY_EXP2), g persistent grid (grid-stride loop), rN registers capped at N per thread.
-    e.g. 128x64w8s3o, 128x64w8s3r128."""
-    c = constexprs
-    flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"),
-                                           ("g", "PERSISTENT")) if c.get(key))
-    cap = f"r{maxnreg}" if maxnreg else ""
-    return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}{cap}"
+drop_excluded(_TUNED, excluded_configs())
 
 
 def tuned_config(name: str, dtype: torch.dtype, tma: bool = True) -> str | None:
     """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype, for tensors TMA
     can read (`tma`) or not; None before any autotuned launch."""
     config = getattr(_TUNED[name, dtype == torch.float32, tma], "best_config", None)
-    if config is None:
-        return None
-    return config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
-
-
-def excluded_configs() -> set[str]:
-    """SAPIENS2_TRITON_EXCLUDE=LABEL,LABEL (config_label names, e.g. 128x64w8s3to): configurations the autotuner
-    never tries, read once at import. The way around one that faults on a GPU (a fault loses the CUDA context, and
-    autotuning would meet it again in every process); bench/gpu_session.sh sets it for forced variants that crashed."""
-    return {label.strip() for label in os.environ.get("SAPIENS2_TRITON_EXCLUDE", "").split(",") if label.strip()}
-
-
-def _drop_excluded(tuned: dict, excluded: set[str]):
-    for (name, fp32, tma), launcher in tuned.items():
-        kept = [c for c in launcher.configs
-                if config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) not in excluded]
-        if not kept:
-            raise ValueError(f"SAPIENS2_TRITON_EXCLUDE={','.join(sorted(excluded))} leaves no {name} configuration "
-                             f"({'fp32' if fp32 else 'bf16/fp16'}, {'with' if tma else 'without'} TMA): keep one")
-        launcher.configs = kept
-
-
-_drop_excluded(_TUNED, excluded_configs())
-
-
-# Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
-INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
-# When set (the CUDA tests set it), these tiles replace autotuning everywhere: a few compiles instead of one
-# per configuration, shape and dtype.
-PINNED_BLOCKS: dict | None = None
-
-
-def compiled_for_gpu(t: torch.Tensor) -> bool:
-    """True when the kernels are compiled for the GPU (CUDA tensors); False in the CPU interpreter. The one
-    place that ties the launch choices below to the device (bench/inspect_kernels.py overrides it to compile
-    the CUDA configurations ahead of time, with no GPU)."""
-    return t.is_cuda
+    return None if config is None else config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
 
 
 # The variant flags a kernel may take (the constexprs it declares), and their values when the tiles are fixed and
@@ -896,20 +729,20 @@ _FLAG_DEFAULTS = {"PACK": False, "TMA": False, "OVERLAP": True, "POLY_EXP2": Fal
 
 
 def _launch(kernel, name, grid, args, consts, blocks, group=None):
-    """Run the autotuned `name` kernel on CUDA unless `blocks` (or PINNED_BLOCKS) fixes the tiles; the plain
-    kernel otherwise. `grid` maps the tile constexprs (BLOCK_M, BLOCK_N, PACK) to the launch grid. With fixed tiles
-    the variant flags the kernel declares come from `blocks` (_FLAG_DEFAULTS otherwise): `group` (the forward's
-    GROUP) resolves PACK with pack_heads, TMA must be usable for the tensors the kernel streams."""
-    blocks = blocks if blocks is not None else PINNED_BLOCKS
+    """Run the autotuned `name` kernel on CUDA unless `blocks` (or base.PINNED_BLOCKS) fixes the tiles. With fixed
+    tiles the variant flags the kernel declares come from `blocks` (_FLAG_DEFAULTS otherwise): `group` (the
+    forward's GROUP) resolves PACK with pack_heads; TMA must be usable for the tensors the kernel streams."""
+    blocks = blocks if blocks is not None else base.PINNED_BLOCKS
     streamed = [args[kernel.arg_names.index(n)] for n in _TMA_OPERANDS[name]]
     tma = tma_usable(*streamed)
-    if tma and compiled_for_gpu(args[0]):
+    on_gpu = base.compiled_for_gpu(args[0])
+    if tma and on_gpu:
         _ensure_allocator()
         _SCRATCH.device = args[0].device
-    if blocks is None and compiled_for_gpu(args[0]):
+    if blocks is None and on_gpu:
         _TUNED[name, args[0].dtype == torch.float32, tma][grid](*args, **consts)
         return
-    blocks = blocks or INTERPRET_BLOCKS
+    blocks = blocks or base.INTERPRET_BLOCKS
     tiles = {"BLOCK_M": blocks["BLOCK_M"], "BLOCK_N": blocks["BLOCK_N"]}
     tiles.update({flag: bool(blocks.get(flag, default)) for flag, default in _FLAG_DEFAULTS.items()
                   if flag in kernel.arg_names})
@@ -920,65 +753,12 @@ def _launch(kernel, name, grid, args, consts, blocks, group=None):
     if tiles.get("TMA") and not tma:
         raise ValueError(f"blocks['TMA'] is set but {' and '.join(_TMA_OPERANDS[name])} cannot be read through TMA "
                          "descriptors here (needs triton >= 3.4, an NVIDIA sm_90 GPU, 16-byte-aligned heads)")
-    options = {"num_warps": blocks.get("num_warps", 4), "num_stages": blocks.get("num_stages", 2)}
-    if blocks.get("maxnreg"):
-        options["maxnreg"] = blocks["maxnreg"]
-    kernel[grid(tiles)](*args, **consts, **tiles, **options)
+    kernel[grid(tiles)](*args, **consts, **tiles, **launch_options(blocks))
 
 
 # ----------------------------------------------------------------------------------------------------
-# Launchers
+# Launchers (the same signatures as attention_triton.py's)
 # ----------------------------------------------------------------------------------------------------
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _head_dim_chunks(head_dim: int):
-    """D = D0 + (D - D0) with D0 the largest power of two <= D; D1 = the padded second chunk (0: none)."""
-    d0 = 1 << (head_dim.bit_length() - 1)
-    rest = head_dim - d0
-    d1 = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
-    return d0, d1
-
-
-def _dot_precision(q: torch.Tensor) -> str:
-    """fp32 on CUDA: "tf32x3" (three tf32 MMAs, about fp32 accuracy; an "ieee" fp32 dot has no tensor-core
-    path and spills registers at these tile sizes), or plain "tf32" when the user allowed tf32 matmuls.
-    Interpreter: "ieee" (exact)."""
-    if q.dtype != torch.float32:
-        return "tf32"  # ignored for fp16/bf16 operands
-    if not compiled_for_gpu(q):
-        return "ieee"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
-
-
-def _check(q, k, v):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (B, H, N, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, HQ, N, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (N, D):
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B={B}, Hkv, N={N}, D={D})")
-    if HQ % k.shape[1]:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({k.shape[1]})")
-    if not 16 <= D <= 256:
-        raise ValueError(f"head dim {D} is outside the supported [16, 256]")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        raise TypeError(f"q, k, v must share a dtype among {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-
-
-def _empty_bnhd(shape, dtype, device) -> torch.Tensor:
-    """An uninitialized (B, H, N, D) tensor whose memory is (B, N, H, D)-contiguous."""
-    B, H, N, D = shape
-    return torch.empty(B, N, H, D, dtype=dtype, device=device).transpose(1, 2)
-
-
-def _check_out(out, *likes):
-    for o, like in zip(out, likes):
-        if o.shape != like.shape or o.dtype != like.dtype or o.device != like.device:
-            raise ValueError(f"out tensor {tuple(o.shape)} {o.dtype} does not match {tuple(like.shape)} {like.dtype}")
-    return out
 
 
 def _fwd_grid(meta, N, B, HQ, group, num_sms):
@@ -992,97 +772,55 @@ def _fwd_grid(meta, N, B, HQ, group, num_sms):
 def num_sms(t: torch.Tensor) -> int:
     """The persistent grid's size: the GPU's SM count; 3 in the interpreter, so that the tests' programs each walk
     several tiles (bench/inspect_kernels.py sets 132, an H100/H200)."""
-    return torch.cuda.get_device_properties(t.device).multi_processor_count if compiled_for_gpu(t) else 3
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if base.compiled_for_gpu(t) else 3
 
 
 @launched_on_device
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
-    """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new, (B, N, Hq, D)-contiguous
-    viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
-    num_stages) instead of autotuning."""
-    _check(q, k, v)
+    """attention_triton.attention_fwd with the variants: `blocks` may also set PACK, TMA, OVERLAP, POLY_EXP2,
+    PERSISTENT (and maxnreg)."""
+    check_inputs(q, k, v)
     q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # 5b: a copy of the unaligned ones
     B, HQ, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    D0, D1 = _head_dim_chunks(D)
-    o = _check_out((out,), q)[0] if out is not None else _empty_bnhd(q.shape, q.dtype, q.device)
+    D0, D1 = head_dim_chunks(D)
+    o = check_out((out,), q)[0] if out is not None else empty_bnhd(q)
     lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
     group = HQ // k.shape[1]
     args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ,
             batch_bucket(B * HQ))
-    consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q),
-                  UPCAST_DOT=not compiled_for_gpu(q))
+    consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=dot_precision(q),
+                  UPCAST_DOT=not base.compiled_for_gpu(q))
     check_image_elements(q, k, v, o)
     sms = num_sms(q)
-    _launch(_attn_fwd_kernel, "fwd", lambda meta: _fwd_grid(meta, N, B, HQ, group, sms), args, consts, blocks, group)
+    _launch(_attn_fwd_hopper_kernel, "fwd", lambda meta: _fwd_grid(meta, N, B, HQ, group, sms), args, consts, blocks,
+            group)
     return o, lse
 
 
 @launched_on_device
 def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
-    """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous viewed as (B, H, N, D), or
-    the `out` triple."""
+    """attention_triton.attention_bwd with the variants: `blocks` may also set TMA and OVERLAP."""
     q, k, v, o, do = (aligned_heads(t) for t in (q, k, v, o, do))  # 5b: copies of the unaligned ones
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
-    D0, D1 = _head_dim_chunks(D)
-    precision = _dot_precision(q)
-
-    delta = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
-    block_m = 64 if compiled_for_gpu(q) else 16
+    D0, D1 = head_dim_chunks(D)
     check_image_elements(q, k, v, o, do)
-    _attn_bwd_delta_kernel[flat_grid(triton.cdiv(N, block_m), B * HQ)](
-        o, do, delta, N, HQ, *o.stride(), *do.stride(),
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
-
-    if out is not None:
-        dq, dk, dv = _check_out(out, q, k, v)
-    else:
-        dq = _empty_bnhd(q.shape, q.dtype, q.device)
-        dk = _empty_bnhd(k.shape, k.dtype, k.device)
-        dv = _empty_bnhd(v.shape, v.dtype, v.device)
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not compiled_for_gpu(q))
+    delta = attention_delta(o, do)
+    dq, dk, dv = check_out(out, q, k, v) if out is not None else (empty_bnhd(q), empty_bnhd(k), empty_bnhd(v))
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=dot_precision(q), UPCAST_DOT=not base.compiled_for_gpu(q))
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), batch_bucket(B * HKV))
-    _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_N"]), B * HKV), args,
-            consts, blocks)
+    _launch(_attn_bwd_dkdv_hopper_kernel, "dkdv", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_N"]), B * HKV),
+            args, consts, blocks)
     args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ,
-            batch_bucket(B * HQ))
-    _launch(_attn_bwd_dq_kernel, "dq", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ, batch_bucket(B * HQ))
+    _launch(_attn_bwd_dq_hopper_kernel, "dq", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args,
             consts, blocks)
     return dq, dk, dv
 
 
-# ----------------------------------------------------------------------------------------------------
-# Autograd
-# ----------------------------------------------------------------------------------------------------
-
-
-class FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # saved aligned: no copy again
-        o, lse = attention_fwd(q, k, v, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale = scale
-        ctx.guarded = dispatch.guarded_backward()  # decided now: the backward runs outside the caller's context
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        try:
-            dq, dk, dv = attention_bwd(q, k, v, o, lse, do, ctx.scale)
-        except Exception as e:  # noqa: BLE001 - auto: a failed launch takes the reference, said once
-            if not ctx.guarded:
-                raise
-            dq, dk, dv = dispatch.reference_gradients("attention", e, attention_reference, (q, k, v, ctx.scale), 3,
-                                                      (do,))
-        return dq, dk, dv, None
-
-
 def attention_triton(q, k, v, scale: float | None = None):
-    """The `_attention_triton` hook: the fused kernels, differentiable in q, k and v."""
-    return FlashAttention.apply(q, k, v, scale)
+    """The variants' `_attention_triton` hook (SAPIENS2_KERNELS=fastest): differentiable in q, k and v."""
+    return FlashAttention.apply(q, k, v, scale, attention_fwd, attention_bwd)
