@@ -1,7 +1,6 @@
 """Triton flash attention (FlashAttention-2, non-causal, GQA), forward and backward.
 
-Imported lazily by kernels/attention.py (never at `import kernels` time). The definition is
-`attention_reference`:  o[b, h] = softmax(q[b, h] @ k[b, g]^T * scale) @ v[b, g],  g = h // (Hq / Hkv).
+The definition is `attention_reference`: o[b, h] = softmax(q[b, h] @ k[b, g]^T * scale) @ v[b, g], g = h // (Hq / Hkv).
 
 Forward: one program owns BLOCK_M query rows of one (b, h) and walks the keys and values of head g in BLOCK_N
 tiles with the online softmax (base 2): a running max m, a running sum l and an fp32 accumulator, rescaled by
@@ -14,17 +13,13 @@ BLOCK_M queries that loops over the keys. P is recomputed from q, k and the save
     * Ragged N: the full key tiles load without masks; one masked tail tile follows (keys >= N score -inf).
     * Head dims that are not a power of two are not padded to 128: D = D0 + D1 with D0 the largest power of
       two <= D and D1 >= 16 (80 = 64 + 16, 76 = 64 + 12 padded to 16), one tl.dot per chunk.
-    * Precision: fp32 accumulation; P and dS are rounded to the input dtype for their MMA, as in FlashAttention.
-      fp32 inputs use 3xTF32 dots on CUDA ("tf32" when torch allows tf32 matmuls), exact dots when interpreting.
+    * Precision: fp32 accumulation; P and dS rounded to the input dtype for their MMA, as in FlashAttention.
     * Layout: o is (B, N, Hq, D)-contiguous memory viewed as (B, Hq, N, D): merging the heads is free.
 
 Limits: D in [16, 256]; q, k, v of one dtype among fp16, bf16, fp32; any strides; Hq % Hkv == 0.
-Block sizes: autotuned on CUDA (key: N, B * Hq in buckets, D, GQA group); fixed 16 x 16 tiles in the CPU
-interpreter. The Hopper-only variants (TMA, persistent grid, polynomial exp2, overlapped loops, GQA packing)
-are in attention_triton_hopper.py, opt-in; their history is in docs/kernels.md.
+Block sizes: autotuned on CUDA, 16 x 16 in the CPU interpreter. The Hopper-only variants (TMA, persistent grid,
+polynomial exp2, overlapped loops, GQA packing) are opt-in, in attention_triton_hopper.py (docs/kernels.md).
 """
-
-import os
 
 import torch
 import triton
@@ -33,23 +28,23 @@ import triton.language as tl
 from . import dispatch
 from .attention import attention_reference
 from .dispatch import launched_on_device
-from .grid_triton import aligned_heads, check_image_elements, flat_grid, program_coords
+from .grid_triton import (aligned_heads, batch_bucket, check_attention_inputs, check_image_elements, check_out,
+                          drop_excluded, empty_bnhd, excluded_configs, flat_grid, launch_options,
+                          program_coords, tile_configs)
 
 LOG2E = 1.4426950408889634  # softmax(x) = 2^(x * log2(e)) / sum: exp2 is the hardware's exponential
 
-# ----------------------------------------------------------------------------------------------------
-# Tiles: loads, stores and dots over the two head-dim chunks
-# ----------------------------------------------------------------------------------------------------
+# ---- Tiles: loads, stores and dots over the two head-dim chunks ---------------------------------------------
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc + a @ b in fp32 (acc None: a @ b). UPCAST_DOT (CPU interpreter only) widens bf16/fp16 to fp32 first:
-    the interpreter would multiply bf16 as raw integers; the products are exact in fp32 either way."""
-    if UPCAST_DOT:
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in fp32 (acc None: a @ b). "ieee" (the CPU interpreter, which would multiply bf16 as raw integers)
+    widens the operands to fp32 first: exact products; otherwise the tensor cores take them as they are."""
+    if PRECISION == "ieee":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -71,8 +66,7 @@ def _load_rows(head_ptr, row0, n_rows, stride_row, stride_col, ROWS: tl.constexp
 @triton.jit
 def _load_chunks(head_ptr, row0, n_rows, stride_row, stride_col, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D0: tl.constexpr, D1: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """A (ROWS, HEAD_DIM) tile as its two column chunks (ROWS, D0) and (ROWS, D1); the second is the first
-    again when D1 == 0 (and then never used)."""
+    """A (ROWS, HEAD_DIM) tile as its column chunks (ROWS, D0) and (ROWS, D1); with D1 == 0 the second is unused."""
     x0 = _load_rows(head_ptr, row0, n_rows, stride_row, stride_col, ROWS=ROWS, COL0=0, COLS=D0, HEAD_DIM=HEAD_DIM,
                     MASK_ROWS=MASK_ROWS)
     x1 = x0
@@ -87,38 +81,34 @@ def _store_chunks(head_ptr, row0, n_rows, stride_row, stride_col, x0, x1, ROWS: 
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
     """Store rows row0 .. row0 + ROWS (those < n_rows) of both column chunks, in the output's dtype."""
     rows = row0 + tl.arange(0, ROWS)
-    cols0 = tl.arange(0, D0)
-    out_dtype = head_ptr.dtype.element_ty
-    tl.store(head_ptr + rows[:, None] * stride_row + cols0[None, :] * stride_col, x0.to(out_dtype),
-             mask=(rows < n_rows)[:, None])
+    row_ptrs = head_ptr + rows[:, None] * stride_row
+    cols0, cols1 = tl.arange(0, D0), D0 + tl.arange(0, D1 if D1 > 0 else 16)
+    tl.store(row_ptrs + cols0[None, :] * stride_col, x0.to(head_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None])
     if D1 > 0:
-        cols1 = D0 + tl.arange(0, D1)
-        tl.store(head_ptr + rows[:, None] * stride_row + cols1[None, :] * stride_col, x1.to(out_dtype),
+        tl.store(row_ptrs + cols1[None, :] * stride_col, x1.to(head_ptr.dtype.element_ty),
                  mask=(rows < n_rows)[:, None] & (cols1 < HEAD_DIM)[None, :])
 
 
 @triton.jit
-def _dot_t(a0, a1, b0, b1, D1: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _dot_t(a0, a1, b0, b1, D1: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T over both chunks (fp32): a0 @ b0^T + a1 @ b1^T."""
-    c = _dot(a0, tl.trans(b0), None, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+    c = _dot(a0, tl.trans(b0), None, PRECISION=PRECISION)
     if D1 > 0:
-        c = _dot(a1, tl.trans(b1), c, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+        c = _dot(a1, tl.trans(b1), c, PRECISION=PRECISION)
     return c
 
 
-# ----------------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------------
+# ---- Forward -------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, start_n, N, skn, skd, svn, svd, qk_scale,
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  MASK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One step of the online softmax: keys start_n .. start_n + BLOCK_N into (acc, m, l)."""
     k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
                           MASK_ROWS=MASK_N)
-    s = _dot_t(q0, q1, k0, k1, D1=D1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)  # (BLOCK_M, BLOCK_N)
+    s = _dot_t(q0, q1, k0, k1, D1=D1, PRECISION=PRECISION)  # (BLOCK_M, BLOCK_N)
     if MASK_N:
         s = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: every tile holds at least one key < N
@@ -128,9 +118,9 @@ def _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, start_n, N, skn,
     v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
                           MASK_ROWS=MASK_N)
     p = p.to(v0.dtype)
-    acc0 = _dot(p, v0, acc0 * alpha[:, None], DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+    acc0 = _dot(p, v0, acc0 * alpha[:, None], PRECISION=PRECISION)
     if D1 > 0:
-        acc1 = _dot(p, v1, acc1 * alpha[:, None], DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+        acc1 = _dot(p, v1, acc1 * alpha[:, None], PRECISION=PRECISION)
     return acc0, acc1, m_new, l_i
 
 
@@ -144,7 +134,7 @@ def _attn_fwd_kernel(
     BH_BUCKET,  # batch_bucket(B * Hq): only an autotuning key
     GROUP: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs, tiles fastest (grid_triton.py)."""
     tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
@@ -163,11 +153,11 @@ def _attn_fwd_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         acc0, acc1, m_i, l_i = _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, start_n, N, skn, skd,
                                              svn, svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N,
-                                             MASK_N=False, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+                                             MASK_N=False, PRECISION=PRECISION)
     if n_full < N:  # the ragged tail
         acc0, acc1, m_i, l_i = _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, n_full, N, skn, skd,
                                              svn, svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N,
-                                             MASK_N=True, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+                                             MASK_N=True, PRECISION=PRECISION)
 
     inv_l = 1.0 / l_i
     _store_chunks(o_ptr + b * sob + h * soh, start_m, N, son, sod, acc0 * inv_l[:, None], acc1 * inv_l[:, None],
@@ -176,9 +166,7 @@ def _attn_fwd_kernel(
     tl.store(lse_ptr + (b * HQ + h) * N + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < N)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Backward
-# ----------------------------------------------------------------------------------------------------
+# ---- Backward ------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -209,7 +197,7 @@ def _attn_bwd_dkdv_kernel(
     BH_BUCKET,  # batch_bucket(B * Hkv): only an autotuning key
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """cdiv(N, BLOCK_N) * B * Hkv programs: BLOCK_N keys of one (b, g), summed over the GROUP query heads of g.
     Transposed (rows = keys): P^T = 2^(K Q^T * qk_scale - lse), dV += P^T dO, dP^T = V dO^T,
@@ -220,32 +208,31 @@ def _attn_bwd_dkdv_kernel(
                           D1=D1, MASK_ROWS=True)
     v0, v1 = _load_chunks(v_ptr + b * svb + g * svh, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0,
                           D1=D1, MASK_ROWS=True)
-    dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
-    dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
-    dk1 = tl.zeros([BLOCK_N, D1 if D1 > 0 else 16], dtype=tl.float32)
-    dv1 = tl.zeros([BLOCK_N, D1 if D1 > 0 else 16], dtype=tl.float32)
+    dk0, dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32), tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    D1_COLS: tl.constexpr = D1 if D1 > 0 else 16  # a dummy chunk when D1 == 0, never used
+    dk1, dv1 = tl.zeros([BLOCK_N, D1_COLS], dtype=tl.float32), tl.zeros([BLOCK_N, D1_COLS], dtype=tl.float32)
 
-    for h in range(g * GROUP, g * GROUP + GROUP):  # the query heads that read K/V head g
-        q_head = q_ptr + b * sqb + h * sqh
-        do_head = do_ptr + b * sgb + h * sgh
-        for start_m in range(0, N, BLOCK_M):
-            q0, q1 = _load_chunks(q_head, start_m, N, sqn, sqd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
-                                  MASK_ROWS=True)
-            do0, do1 = _load_chunks(do_head, start_m, N, sgn, sgd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
-                                    MASK_ROWS=True)
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=float("inf"))  # rows >= N: P = 0
-            delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=0.0)
-            qk_t = _dot_t(k0, k1, q0, q1, D1=D1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
-            p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
-            dv0 = _dot(p_t.to(do0.dtype), do0, dv0, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
-            if D1 > 0:
-                dv1 = _dot(p_t.to(do1.dtype), do1, dv1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
-            dp_t = _dot_t(v0, v1, do0, do1, D1=D1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q0.dtype)
-            dk0 = _dot(ds_t, q0, dk0, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
-            if D1 > 0:
-                dk1 = _dot(ds_t, q1, dk1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+    num_tiles = tl.cdiv(N, BLOCK_M)
+    for step in range(0, GROUP * num_tiles):  # (query head of group g, query tile): one loop, one pipeline
+        h = g * GROUP + step // num_tiles
+        start_m = (step % num_tiles) * BLOCK_M
+        q0, q1 = _load_chunks(q_ptr + b * sqb + h * sqh, start_m, N, sqn, sqd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, D0=D0,
+                              D1=D1, MASK_ROWS=True)
+        do0, do1 = _load_chunks(do_ptr + b * sgb + h * sgh, start_m, N, sgn, sgd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                                D0=D0, D1=D1, MASK_ROWS=True)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=float("inf"))  # rows >= N: P = 0
+        delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=0.0)
+        qk_t = _dot_t(k0, k1, q0, q1, D1=D1, PRECISION=PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        dv0 = _dot(p_t.to(do0.dtype), do0, dv0, PRECISION=PRECISION)
+        if D1 > 0:
+            dv1 = _dot(p_t.to(do1.dtype), do1, dv1, PRECISION=PRECISION)
+        dp_t = _dot_t(v0, v1, do0, do1, D1=D1, PRECISION=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q0.dtype)
+        dk0 = _dot(ds_t, q0, dk0, PRECISION=PRECISION)
+        if D1 > 0:
+            dk1 = _dot(ds_t, q1, dk1, PRECISION=PRECISION)
 
     _store_chunks(dk_ptr + b * sdkb + g * sdkh, start_n, N, sdkn, sdkd, dk0 * scale, dk1 * scale, ROWS=BLOCK_N,
                   HEAD_DIM=HEAD_DIM, D0=D0, D1=D1)
@@ -256,21 +243,21 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_key_tile(q0, q1, do0, do1, dq0, dq1, lse, delta, k_head, v_head, start_n, N, skn, skd, svn, svd, qk_scale,
                  HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MASK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 MASK_N: tl.constexpr, PRECISION: tl.constexpr):
     """dQ += dS K for keys start_n .. start_n + BLOCK_N, dS = P * (dP - delta), P recomputed from lse."""
     k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
                           MASK_ROWS=MASK_N)
     v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
                           MASK_ROWS=MASK_N)
-    s = _dot_t(q0, q1, k0, k1, D1=D1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
-    dp = _dot_t(do0, do1, v0, v1, D1=D1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+    s = _dot_t(q0, q1, k0, k1, D1=D1, PRECISION=PRECISION)
+    dp = _dot_t(do0, do1, v0, v1, D1=D1, PRECISION=PRECISION)
     p = tl.math.exp2(s * qk_scale - lse[:, None])
     if MASK_N:
         p = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], p, 0.0)
     ds = (p * (dp - delta[:, None])).to(k0.dtype)
-    dq0 = _dot(ds, k0, dq0, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+    dq0 = _dot(ds, k0, dq0, PRECISION=PRECISION)
     if D1 > 0:
-        dq1 = _dot(ds, k1, dq1, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+        dq1 = _dot(ds, k1, dq1, PRECISION=PRECISION)
     return dq0, dq1
 
 
@@ -284,7 +271,7 @@ def _attn_bwd_dq_kernel(
     BH_BUCKET,  # batch_bucket(B * Hq): only an autotuning key
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of dS K."""
     tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
@@ -306,117 +293,49 @@ def _attn_bwd_dq_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         dq0, dq1 = _dq_key_tile(q0, q1, do0, do1, dq0, dq1, lse, delta, k_head, v_head, start_n, N, skn, skd, svn,
                                 svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N, MASK_N=False,
-                                DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+                                PRECISION=PRECISION)
     if n_full < N:
         dq0, dq1 = _dq_key_tile(q0, q1, do0, do1, dq0, dq1, lse, delta, k_head, v_head, n_full, N, skn, skd, svn,
                                 svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N, MASK_N=True,
-                                DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT)
+                                PRECISION=PRECISION)
     _store_chunks(dq_ptr + b * sdqb + h * sdqh, start_m, N, sdqn, sdqd, dq0 * scale, dq1 * scale, ROWS=BLOCK_M,
                   HEAD_DIM=HEAD_DIM, D0=D0, D1=D1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Block sizes: autotuned on CUDA, fixed when interpreting
-# ----------------------------------------------------------------------------------------------------
-
-
-def _configs(shapes, maxnreg=None, **constexprs):
-    """triton.Config per (BLOCK_M, BLOCK_N, warps, stages)."""
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **constexprs}, num_warps=w, num_stages=s, maxnreg=maxnreg)
-            for m, n, w, s in shapes]
-
+# ---- Block sizes: autotuned on CUDA, fixed when interpreting -------------------------------------------------
 
 # Chosen for Hopper and Ampere alike: 128-row tiles on 8 warps when the grid is large, 64-row tiles to fill the
 # SMs at batch 1. fp32 (3xTF32 dots) needs twice the shared memory: smaller tiles, two stages.
 _CONFIGS = {  # (kernel, operands are fp32) -> configurations
-    ("fwd", False): _configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]),
-    ("dkdv", False): _configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]),
-    ("dq", False): _configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)]),
-    ("fwd", True): _configs([(128, 32, 8, 2), (64, 32, 4, 2)]),
-    ("dkdv", True): _configs([(16, 64, 4, 2), (32, 64, 8, 2)]),
-    ("dq", True): _configs([(64, 16, 4, 2), (64, 32, 8, 2)]),
+    ("fwd", False): tile_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]),
+    ("dkdv", False): tile_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]),
+    ("dq", False): tile_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)]),
+    ("fwd", True): tile_configs([(128, 32, 8, 2), (64, 32, 4, 2)]),
+    ("dkdv", True): tile_configs([(16, 64, 4, 2), (32, 64, 8, 2)]),
+    ("dq", True): tile_configs([(64, 16, 4, 2), (64, 32, 8, 2)]),
 }
 # GROUP in the key: an MHA and a GQA block of one model share N, B * Hq and D but not the best tile. B * H enters
 # in buckets, so that the last, smaller batch of a run reuses the tuned choice instead of timing again.
 AUTOTUNE_KEY = ["N", "BH_BUCKET", "HEAD_DIM", "GROUP"]
-
-
-def batch_bucket(rows: int) -> int:
-    """B * H in the autotuning key: below the 132 SMs of an H100/H200 (a grid too small to fill the GPU), or the
-    power of 4 at or above it (132+, 528+, 2112+, ...)."""
-    if rows < 132:
-        return 1
-    bucket = 132
-    while bucket * 4 <= rows:
-        bucket *= 4
-    return bucket
-
-
-# The letters config_label gives the Hopper variants' flags (attention_triton_hopper.py).
-VARIANT_LETTERS = (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"), ("g", "PERSISTENT"))
-
-
-def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
-    """A configuration's name in benchmarks and tables: BLOCK_M x BLOCK_N, warps, stages, the variant letters
-    that are on, rN for a cap of N registers per thread. e.g. 128x64w8s3, 128x64w8s3to, 128x64w8s3r128."""
-    flags = "".join(letter for letter, key in VARIANT_LETTERS if constexprs.get(key))
-    cap = f"r{maxnreg}" if maxnreg else ""
-    return f"{constexprs.get('BLOCK_M', '')}x{constexprs.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}{cap}"
-
-
-def excluded_configs() -> set[str]:
-    """SAPIENS2_TRITON_EXCLUDE=LABEL,LABEL (config_label names): configurations no autotuner here tries, read at
-    import. The way around one that faults on a GPU (a fault loses the CUDA context)."""
-    return {label.strip() for label in os.environ.get("SAPIENS2_TRITON_EXCLUDE", "").split(",") if label.strip()}
-
-
-def drop_excluded(tuned: dict, excluded: set[str]):
-    """Remove the excluded configurations from each autotuned launcher in `tuned` (an error if none is left)."""
-    for key, launcher in tuned.items():
-        kept = [c for c in launcher.configs
-                if config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) not in excluded]
-        if not kept:
-            raise ValueError(f"SAPIENS2_TRITON_EXCLUDE={','.join(sorted(excluded))} leaves no configuration for "
-                             f"{key}: keep one")
-        launcher.configs = kept
-
-
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
 _TUNED = {(name, fp32): triton.autotune(configs, key=AUTOTUNE_KEY)(_KERNELS[name])
           for (name, fp32), configs in _CONFIGS.items()}
 drop_excluded(_TUNED, excluded_configs())
 
 
-def tuned_config(name: str, dtype: torch.dtype) -> str | None:
-    """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype (None: none yet)."""
-    config = getattr(_TUNED[name, dtype == torch.float32], "best_config", None)
-    return None if config is None else config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
-
-
 # Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
-# When set (the CUDA tests set it), these tiles replace autotuning in both attention files.
-PINNED_BLOCKS: dict | None = None
+PINNED_BLOCKS: dict | None = None  # set by the CUDA tests: these tiles, not autotuning, in both attention files
 _BLOCK_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg"}
 
 
 def compiled_for_gpu(t: torch.Tensor) -> bool:
-    """True when the kernels compile for the GPU (CUDA tensors), False in the CPU interpreter. The one place that
-    ties the launch choices to the device (bench/inspect_kernels.py overrides it to compile with no GPU)."""
+    """CUDA tensors: compiled kernels; else the CPU interpreter (bench/inspect_kernels.py overrides this)."""
     return t.is_cuda
 
 
-def launch_options(blocks: dict) -> dict:
-    """num_warps, num_stages (and maxnreg) of a fixed-tile launch."""
-    options = {"num_warps": blocks.get("num_warps", 4), "num_stages": blocks.get("num_stages", 2)}
-    if blocks.get("maxnreg"):
-        options["maxnreg"] = blocks["maxnreg"]
-    return options
-
-
 def _launch(kernel, name, grid, args, consts, blocks):
-    """The autotuned `name` kernel on CUDA, unless `blocks` (or PINNED_BLOCKS) fixes the tiles. `grid` maps the
-    tile sizes to the launch grid."""
+    """The autotuned `name` kernel on CUDA, unless `blocks` (or PINNED_BLOCKS) fixes the tiles; grid(tiles)."""
     blocks = blocks if blocks is not None else PINNED_BLOCKS
     if blocks is None and compiled_for_gpu(args[0]):
         _TUNED[name, args[0].dtype == torch.float32][grid](*args, **consts)
@@ -429,12 +348,7 @@ def _launch(kernel, name, grid, args, consts, blocks):
     kernel[grid(tiles)](*args, **consts, **tiles, **launch_options(blocks))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Launchers
-# ----------------------------------------------------------------------------------------------------
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
+# ---- Launchers and autograd ----------------------------------------------------------------------------------
 
 def head_dim_chunks(head_dim: int) -> tuple[int, int]:
     """(D0, D1): D0 the largest power of two <= D, D1 the rest padded to a power of two >= 16 (0: none)."""
@@ -444,51 +358,20 @@ def head_dim_chunks(head_dim: int) -> tuple[int, int]:
 
 
 def dot_precision(q: torch.Tensor) -> str:
-    """fp32 on CUDA: "tf32x3" (about fp32 accuracy on the tensor cores), or "tf32" when torch allows tf32 matmuls;
-    "ieee" (exact) when interpreting. Ignored for bf16/fp16 operands."""
-    if q.dtype != torch.float32:
-        return "tf32"
+    """The kernels' PRECISION: "ieee" (exact) when interpreting; on CUDA "tf32" for bf16/fp16 (ignored: their dots
+    are native) and fp32 when torch allows tf32 matmuls, else "tf32x3" (about fp32 accuracy on the tensor cores)."""
     if not compiled_for_gpu(q):
         return "ieee"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
-
-
-def check_inputs(q, k, v):
-    """One-line errors for inputs the kernels cannot take."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (B, H, N, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, HQ, N, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (N, D):
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B={B}, Hkv, N={N}, D={D})")
-    if HQ % k.shape[1]:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({k.shape[1]})")
-    if not 16 <= D <= 256:
-        raise ValueError(f"head dim {D} is outside the supported [16, 256]")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        raise TypeError(f"q, k, v must share a dtype among {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-
-
-def empty_bnhd(like: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped like `like` (B, H, N, D) whose memory is (B, N, H, D)-contiguous."""
-    B, H, N, D = like.shape
-    return torch.empty(B, N, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
-
-
-def check_out(out, *likes):
-    """The `out` tensors, if each matches its `like` in shape, dtype and device."""
-    for o, like in zip(out, likes):
-        if o.shape != like.shape or o.dtype != like.dtype or o.device != like.device:
-            raise ValueError(f"out tensor {tuple(o.shape)} {o.dtype} does not match {tuple(like.shape)} {like.dtype}")
-    return out
+    if q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "tf32x3"
 
 
 @launched_on_device
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
     """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new and (B, N, Hq, D)-contiguous,
     or `out`. `blocks` fixes BLOCK_M / BLOCK_N (and num_warps, num_stages) instead of autotuning."""
-    check_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
     q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # 5b: a copy of the unaligned ones
     B, HQ, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -498,8 +381,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     check_image_elements(q, k, v, o)
     args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             batch_bucket(B * HQ))
-    consts = dict(GROUP=HQ // k.shape[1], HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=dot_precision(q),
-                  UPCAST_DOT=not compiled_for_gpu(q))
+    consts = dict(GROUP=HQ // k.shape[1], HEAD_DIM=D, D0=D0, D1=D1, PRECISION=dot_precision(q))
     _launch(_attn_fwd_kernel, "fwd", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args, consts,
             blocks)
     return o, lse
@@ -520,15 +402,13 @@ def attention_delta(o, do) -> torch.Tensor:
 def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
     """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous, or the `out` triple."""
     q, k, v, o, do = (aligned_heads(t) for t in (q, k, v, o, do))  # 5b: copies of the unaligned ones
-    B, HQ, N, D = q.shape
-    HKV = k.shape[1]
+    (B, HQ, N, D), HKV = q.shape, k.shape[1]
     scale = D ** -0.5 if scale is None else scale
     D0, D1 = head_dim_chunks(D)
     check_image_elements(q, k, v, o, do)
     delta = attention_delta(o, do)
     dq, dk, dv = check_out(out, q, k, v) if out is not None else (empty_bnhd(q), empty_bnhd(k), empty_bnhd(v))
-    consts = dict(GROUP=HQ // HKV, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=dot_precision(q),
-                  UPCAST_DOT=not compiled_for_gpu(q))
+    consts = dict(GROUP=HQ // HKV, HEAD_DIM=D, D0=D0, D1=D1, PRECISION=dot_precision(q))
     inputs = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, scale, scale * LOG2E, *inputs, *dk.stride(), *dv.stride(),
             batch_bucket(B * HKV))
@@ -540,14 +420,8 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
     return dq, dk, dv
 
 
-# ----------------------------------------------------------------------------------------------------
-# Autograd
-# ----------------------------------------------------------------------------------------------------
-
-
 class FlashAttention(torch.autograd.Function):
-    """Differentiable in q, k and v through the given forward and backward launchers (this file's, or the
-    Hopper variants')."""
+    """Differentiable in q, k and v through the given launchers (this file's, or the Hopper variants')."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, fwd, bwd):

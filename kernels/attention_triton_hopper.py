@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 
 from . import attention_triton as base
-from .attention_triton import (AUTOTUNE_KEY, LOG2E, FlashAttention, _dot, attention_delta, batch_bucket,
-                               check_inputs, check_out, config_label, drop_excluded, dot_precision, empty_bnhd,
-                               excluded_configs, head_dim_chunks, launch_options)
+from .attention_triton import AUTOTUNE_KEY, LOG2E, FlashAttention, _dot, attention_delta, dot_precision, head_dim_chunks
 from .dispatch import launched_on_device
-from .grid_triton import aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords, tile_coords
+from .grid_triton import (aligned_heads, batch_bucket, check_attention_inputs, check_image_elements, check_out,
+                          config_label, drop_excluded, empty_bnhd, excluded_configs, flat_grid, heads_aligned,
+                          launch_options, program_coords, tile_configs, tile_coords)
 
 # ----------------------------------------------------------------------------------------------------
 # Forward
@@ -75,13 +75,13 @@ def _kv_descriptors(k_ptr, v_ptr, B, N, HKV, skb, skh, skn, svb, svh, svn, HEAD_
 @triton.jit
 def _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd,
             HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-            TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+            TMA: tl.constexpr, PRECISION: tl.constexpr):
     """S = Q K^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32, unscaled; with MASK_N, keys >= N are -inf."""
     k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
-    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
+    s = _dot(q0, tl.trans(k0), None, PRECISION)
     if D1 > 0:
         k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
+        s = _dot(q1, tl.trans(k1), s, PRECISION)
     if MASK_N:
         s = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], s, float("-inf"))
     return s
@@ -137,14 +137,14 @@ def _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
                 HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                MASK_N: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):
     """acc * alpha + P V for one tile of values (P rounded to the input dtype for the MMA, as in FlashAttention)."""
     v0 = _key_rows(v_desc0, v_base, b, g, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     p = p.to(v0.dtype)
-    acc0 = _dot(p, v0, acc0 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    acc0 = _dot(p, v0, acc0 * alpha[:, None], PRECISION)
     if D1 > 0:
         v1 = _key_rows(v_desc1, v_base, b, g, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        acc1 = _dot(p, v1, acc1 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+        acc1 = _dot(p, v1, acc1 * alpha[:, None], PRECISION)
     return acc0, acc1
 
 
@@ -165,7 +165,7 @@ def _attn_fwd_hopper_kernel(
     OVERLAP: tl.constexpr,  # issue the next tile's Q K^T before this tile's P V (softmax under the MMA; more registers)
     POLY_EXP2: tl.constexpr,  # half of the full tiles' exp2 on the FMA units (bf16/fp16 only: 7.5e-5 relative error)
     PERSISTENT: tl.constexpr,  # one program per SM walks the tiles (grid-stride loop) instead of one per tile
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Flat grid, tiles fastest (grid_triton.py): one tile of BLOCK_M query rows per program, or with PERSISTENT
     one program per SM that takes tiles program_id, program_id + programs, ... (no tail wave of short-lived
@@ -177,13 +177,11 @@ def _attn_fwd_hopper_kernel(
         for index in range(tl.program_id(0), tiles, tl.num_programs(0)):
             _attn_fwd_tile(index, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1, N, HQ,
                            qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-                           GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, DOT_PRECISION,
-                           UPCAST_DOT)
+                           GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, PRECISION)
     else:
         _attn_fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1,
                        N, HQ, qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-                       GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, DOT_PRECISION,
-                       UPCAST_DOT)
+                       GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, PRECISION)
 
 
 @triton.jit
@@ -192,7 +190,7 @@ def _attn_fwd_tile(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, TMA: tl.constexpr, OVERLAP: tl.constexpr,
-    POLY_EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    POLY_EXP2: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Tile `index` (tiles fastest) of BLOCK_M query rows:
     PACK False: BLOCK_M tokens of one query head h (cdiv(N, BLOCK_M) * B * Hq tiles);
@@ -245,28 +243,28 @@ def _attn_fwd_tile(
     if not OVERLAP:
         for start_n in range(0, n_full, BLOCK_N):
             s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False,
-                        TMA, DOT_PRECISION, UPCAST_DOT)
+                        TMA, PRECISION)
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
             acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
-                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, PRECISION)
     elif n_full > 0:
         s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, 0, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
-                    DOT_PRECISION, UPCAST_DOT)
+                    PRECISION)
         for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
             p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
             s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n + BLOCK_N, N, skn, skd, HEAD_DIM, D0, D1,
-                        BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                        BLOCK_N, False, TMA, PRECISION)
             acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
-                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, PRECISION)
         p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
         acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, n_full - BLOCK_N, N, svn, svd,
-                                 HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                                 HEAD_DIM, D0, D1, BLOCK_N, False, TMA, PRECISION)
     if n_full < N:
         s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, n_full, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA,
-                    DOT_PRECISION, UPCAST_DOT)
+                    PRECISION)
         p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, False)
         acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, n_full, N, svn, svd,
-                                 HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
+                                 HEAD_DIM, D0, D1, BLOCK_N, True, TMA, PRECISION)
 
     inv_l = 1.0 / l_i
     o_rows = o_ptr + b * sob + h0 * soh + (row_head * soh + offs_m * son)[:, None]
@@ -331,19 +329,19 @@ def _query_chunks(desc0, desc1, image_base, h, start_m, N, sh, sn, sd, HEAD_DIM:
 @triton.jit
 def _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd,
                  HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
-                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 TMA: tl.constexpr, PRECISION: tl.constexpr):
     """S^T = K Q^T for one query tile of head h: (BLOCK_N, BLOCK_M) fp32, and the Q tile's chunks."""
     q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA)
-    qkT = _dot(k0, tl.trans(q0), None, DOT_PRECISION, UPCAST_DOT)
+    qkT = _dot(k0, tl.trans(q0), None, PRECISION)
     if D1 > 0:
-        qkT = _dot(k1, tl.trans(q1), qkT, DOT_PRECISION, UPCAST_DOT)
+        qkT = _dot(k1, tl.trans(q1), qkT, PRECISION)
     return qkT, q0, q1
 
 
 @triton.jit
 def _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr, bh, h, start_m, N,
                  sgh, sgn, sgd, qk_scale, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                 BLOCK_M: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 BLOCK_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):
     """From S^T of one query tile: P^T = exp2(S^T * qk_scale - lse), dV += P^T dO, dP^T = V dO^T and
     dS^T = P^T * (dP^T - delta) (rounded to the input dtype for the dK MMA). Rows >= N get lse = +inf: P = 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -351,22 +349,22 @@ def _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, d
     delta = tl.load(delta_ptr + bh * N + offs_m, mask=offs_m < N, other=0.0)
     do0 = _query_rows(do_desc0, do_image, h, start_m, N, sgh, sgn, sgd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
     pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-    dv0 = _dot(pT.to(do0.dtype), do0, dv0, DOT_PRECISION, UPCAST_DOT)
-    dpT = _dot(v0, tl.trans(do0), None, DOT_PRECISION, UPCAST_DOT)
+    dv0 = _dot(pT.to(do0.dtype), do0, dv0, PRECISION)
+    dpT = _dot(v0, tl.trans(do0), None, PRECISION)
     if D1 > 0:
         do1 = _query_rows(do_desc1, do_image, h, start_m, N, sgh, sgn, sgd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
-        dv1 = _dot(pT.to(do1.dtype), do1, dv1, DOT_PRECISION, UPCAST_DOT)
-        dpT = _dot(v1, tl.trans(do1), dpT, DOT_PRECISION, UPCAST_DOT)
+        dv1 = _dot(pT.to(do1.dtype), do1, dv1, PRECISION)
+        dpT = _dot(v1, tl.trans(do1), dpT, PRECISION)
     dsT = (pT * (dpT - delta[None, :])).to(do0.dtype)
     return dv0, dv1, dsT
 
 
 @triton.jit
-def _dkdv_keys(dsT, q0, q1, dk0, dk1, D1: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _dkdv_keys(dsT, q0, q1, dk0, dk1, D1: tl.constexpr, PRECISION: tl.constexpr):
     """dK += dS^T Q (the scale is applied at the end)."""
-    dk0 = _dot(dsT, q0, dk0, DOT_PRECISION, UPCAST_DOT)
+    dk0 = _dot(dsT, q0, dk0, PRECISION)
     if D1 > 0:
-        dk1 = _dot(dsT, q1, dk1, DOT_PRECISION, UPCAST_DOT)
+        dk1 = _dot(dsT, q1, dk1, PRECISION)
     return dk0, dk1
 
 
@@ -383,7 +381,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,  # load the q and dO tiles through tensor descriptors
     OVERLAP: tl.constexpr,  # issue the next query tile's S^T before this tile's dK MMA (P^T under the MMA)
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Flat grid of cdiv(N, BLOCK_N) * B * Hkv programs: BLOCK_N keys of one (b, g), summed over the GROUP
     query heads of g.
@@ -429,35 +427,35 @@ def _attn_bwd_dkdv_hopper_kernel(
             h = g * GROUP + i // num_tiles
             start_m = (i % num_tiles) * BLOCK_M
             qkT, q0, q1 = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM,
-                                       D0, D1, BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+                                       D0, D1, BLOCK_M, TMA, PRECISION)
             dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
                                          b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
-                                         BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
+                                         BLOCK_M, TMA, PRECISION)
+            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, PRECISION)
     else:
         h = g * GROUP
         qkT, q0, q1 = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, 0, N, sqh, sqn, sqd, HEAD_DIM, D0, D1,
-                                   BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+                                   BLOCK_M, TMA, PRECISION)
         for i in range(0, steps - 1):
             h = g * GROUP + i // num_tiles
             start_m = (i % num_tiles) * BLOCK_M
             dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
                                          b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
-                                         BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+                                         BLOCK_M, TMA, PRECISION)
             next_h = g * GROUP + (i + 1) // num_tiles
             qkT, _, _ = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, next_h, ((i + 1) % num_tiles) * BLOCK_M,
-                                     N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+                                     N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA, PRECISION)
             q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1,
                                    BLOCK_M, TMA)
-            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
+            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, PRECISION)
         h = g * GROUP + (steps - 1) // num_tiles
         start_m = ((steps - 1) % num_tiles) * BLOCK_M
         dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
                                      b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
-                                     BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
+                                     BLOCK_M, TMA, PRECISION)
         q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M,
                                TMA)
-        dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
+        dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, PRECISION)
 
     dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
     dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
@@ -475,17 +473,17 @@ def _attn_bwd_dkdv_hopper_kernel(
 def _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, start_n, N,
                skn, skd, svn, svd,
                HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+               MASK_N: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):
     """S = Q K^T and dP = dO V^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32 each."""
     k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     v0 = _key_rows(v_desc0, v_base, b, g, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
-    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
-    dp = _dot(do0, tl.trans(v0), None, DOT_PRECISION, UPCAST_DOT)
+    s = _dot(q0, tl.trans(k0), None, PRECISION)
+    dp = _dot(do0, tl.trans(v0), None, PRECISION)
     if D1 > 0:
         k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
         v1 = _key_rows(v_desc1, v_base, b, g, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
-        dp = _dot(do1, tl.trans(v1), dp, DOT_PRECISION, UPCAST_DOT)
+        s = _dot(q1, tl.trans(k1), s, PRECISION)
+        dp = _dot(do1, tl.trans(v1), dp, PRECISION)
     return s, dp
 
 
@@ -502,14 +500,14 @@ def _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N: tl.constex
 @triton.jit
 def _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd,
                    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                   MASK_N: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):
     """dQ += dS K for one tile of keys (dS rounded to the input dtype for the MMA)."""
     k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
     ds = ds.to(k0.dtype)
-    dq0 = _dot(ds, k0, dq0, DOT_PRECISION, UPCAST_DOT)
+    dq0 = _dot(ds, k0, dq0, PRECISION)
     if D1 > 0:
         k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        dq1 = _dot(ds, k1, dq1, DOT_PRECISION, UPCAST_DOT)
+        dq1 = _dot(ds, k1, dq1, PRECISION)
     return dq0, dq1
 
 
@@ -527,7 +525,7 @@ def _attn_bwd_dq_hopper_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,  # load K/V tiles through tensor descriptors
     OVERLAP: tl.constexpr,  # issue the next tile's S and dP before this tile's dQ MMA (dS under the MMA)
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of (P * (dP - delta)) K.
     The loop has the forward's two orders: plain (S, dP, dS, dQ += dS K for each tile) and OVERLAP, where tile
@@ -567,29 +565,29 @@ def _attn_bwd_dq_hopper_kernel(
     if not OVERLAP:
         for start_n in range(0, n_full, BLOCK_N):
             s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, start_n, N,
-                               skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                               skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, PRECISION)
             ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
             dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0,
-                                      D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                                      D1, BLOCK_N, False, TMA, PRECISION)
     elif n_full > 0:
         s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, 0, N,
-                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, PRECISION)
         for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
             ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
             s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g,
                                start_n + BLOCK_N, N, skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
-                               DOT_PRECISION, UPCAST_DOT)
+                               PRECISION)
             dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0,
-                                      D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                                      D1, BLOCK_N, False, TMA, PRECISION)
         ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full - BLOCK_N, N, BLOCK_N, False)
         dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, n_full - BLOCK_N, N, skn, skd, HEAD_DIM,
-                                  D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+                                  D0, D1, BLOCK_N, False, TMA, PRECISION)
     if n_full < N:
         s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, n_full, N,
-                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
+                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA, PRECISION)
         ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full, N, BLOCK_N, True)
         dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, n_full, N, skn, skd, HEAD_DIM, D0, D1,
-                                  BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
+                                  BLOCK_N, True, TMA, PRECISION)
 
     dq_rows = dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqn
     dq_dtype = dq_ptr.dtype.element_ty
@@ -602,11 +600,6 @@ def _attn_bwd_dq_hopper_kernel(
 # ----------------------------------------------------------------------------------------------------
 # Configurations: autotuned on CUDA, fixed (with the flags from `blocks`) otherwise
 # ----------------------------------------------------------------------------------------------------
-
-
-def _configs(shapes, maxnreg=None, **constexprs):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **constexprs}, num_warps=w, num_stages=s, maxnreg=maxnreg)
-            for m, n, w, s in shapes]
 
 
 def pack_heads(block_m: int, pack: bool, group: int) -> int:
@@ -664,7 +657,8 @@ def _torch_scratch(size: int, alignment: int, stream):
 
 # Why each configuration is here (registers, spills, what it trades): docs/kernels.md, "The Hopper variants".
 def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False, persistent=False, maxnreg=None):
-    return _configs(shapes, maxnreg, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2, PERSISTENT=persistent)
+    return tile_configs(shapes, maxnreg, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2,
+                        PERSISTENT=persistent)
 
 
 _FWD_CONFIGS = (
@@ -681,7 +675,7 @@ _FWD_CONFIGS = (
 
 
 def _bwd_configs(shapes, tma=False, overlap=False):
-    return _configs(shapes, TMA=tma, OVERLAP=overlap)
+    return tile_configs(shapes, TMA=tma, OVERLAP=overlap)
 
 
 _DKDV_CONFIGS = (_bwd_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
@@ -714,13 +708,6 @@ _TUNED = {  # (kernel, operands are fp32, TMA usable) -> autotuned launcher
     for (name, fp32), configs in _CONFIGS.items() for tma in (False, True)
 }
 drop_excluded(_TUNED, excluded_configs())
-
-
-def tuned_config(name: str, dtype: torch.dtype, tma: bool = True) -> str | None:
-    """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype, for tensors TMA
-    can read (`tma`) or not; None before any autotuned launch."""
-    config = getattr(_TUNED[name, dtype == torch.float32, tma], "best_config", None)
-    return None if config is None else config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
 
 
 # The variant flags a kernel may take (the constexprs it declares), and their values when the tiles are fixed and
@@ -779,7 +766,7 @@ def num_sms(t: torch.Tensor) -> int:
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
     """attention_triton.attention_fwd with the variants: `blocks` may also set PACK, TMA, OVERLAP, POLY_EXP2,
     PERSISTENT (and maxnreg)."""
-    check_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
     q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # 5b: a copy of the unaligned ones
     B, HQ, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -789,8 +776,7 @@ def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = Non
     group = HQ // k.shape[1]
     args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ,
             batch_bucket(B * HQ))
-    consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=dot_precision(q),
-                  UPCAST_DOT=not base.compiled_for_gpu(q))
+    consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, PRECISION=dot_precision(q))
     check_image_elements(q, k, v, o)
     sms = num_sms(q)
     _launch(_attn_fwd_hopper_kernel, "fwd", lambda meta: _fwd_grid(meta, N, B, HQ, group, sms), args, consts, blocks,
@@ -809,7 +795,7 @@ def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict 
     check_image_elements(q, k, v, o, do)
     delta = attention_delta(o, do)
     dq, dk, dv = check_out(out, q, k, v) if out is not None else (empty_bnhd(q), empty_bnhd(k), empty_bnhd(v))
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=dot_precision(q), UPCAST_DOT=not base.compiled_for_gpu(q))
+    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, PRECISION=dot_precision(q))
     args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), batch_bucket(B * HKV))
     _launch(_attn_bwd_dkdv_hopper_kernel, "dkdv", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_N"]), B * HKV),
