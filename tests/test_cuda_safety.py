@@ -290,15 +290,15 @@ def test_training_checks_the_backward_too(gpu, monkeypatch, caplog):
 def test_a_failed_backward_takes_the_references_gradients(gpu, monkeypatch, caplog, op):
     """The real Triton ops (interpreter) pass their check, then a backward launch raises at the call's shape: in
     auto the gradients are the reference's, said once; forced, the error stands."""
-    triton_module = pytest.importorskip(f"sapiens2.kernels.{op}_triton")
-    launcher = getattr(triton_module, f"{op}_bwd")
+    # attention: both files' backward (fastest runs the Hopper variants' file, triton the base one)
+    names = [f"{op}_triton"] + (["attention_triton_hopper"] if op == "attention" else [])
+    for triton_module in (pytest.importorskip(f"sapiens2.kernels.{name}") for name in names):
+        def fails_past_the_check(q, *args, launcher=getattr(triton_module, f"{op}_bwd"), **kwargs):
+            if q.shape[2] > 18:  # the checks' cases have 18 tokens on CPU
+                raise RuntimeError("CUDA error: misaligned address")
+            return launcher(q, *args, **kwargs)
 
-    def fails_past_the_check(q, *args, **kwargs):
-        if q.shape[2] > 18:  # the checks' cases have 18 tokens on CPU
-            raise RuntimeError("CUDA error: misaligned address")
-        return launcher(q, *args, **kwargs)
-
-    monkeypatch.setattr(triton_module, f"{op}_bwd", fails_past_the_check)
+        monkeypatch.setattr(triton_module, f"{op}_bwd", fails_past_the_check)
     monkeypatch.setenv("SAPIENS2_KERNELS", "fastest")
     monkeypatch.setattr(dispatch, "time_ms", triton_faster())
     if op == "qk_norm_rope":
