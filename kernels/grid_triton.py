@@ -1,5 +1,5 @@
 """What the Triton kernels share: the launch grid (one flat axis of (batch, head, tile) programs), the
-aligned-heads memory layout (below), and the attention kernels' launch helpers (autotuning key buckets,
+aligned-heads memory layout (below), and the attention kernels' launch functions (autotuning key buckets,
 configuration labels, SAPIENS2_TRITON_EXCLUDE, output allocation).
 
 CUDA limits grid axes 1 and 2 to 65,535 programs and axis 0 to 2**31 - 1, so a (tiles, B * H) grid fails from
