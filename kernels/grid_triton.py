@@ -95,7 +95,7 @@ def aligned_heads(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Launch helpers of the attention kernels (attention_triton.py and its Hopper variants)
+# Launch functions of the attention kernels (attention_triton.py and its Hopper variants)
 # ----------------------------------------------------------------------------------------------------
 
 
