@@ -304,8 +304,8 @@ def _attn_bwd_dq_kernel(
 
 # ---- Block sizes: autotuned on CUDA, fixed when interpreting -------------------------------------------------
 
-# Chosen for Hopper and Ampere alike: 128-row tiles on 8 warps when the grid is large, 64-row tiles to fill the
-# SMs at batch 1. fp32 (3xTF32 dots) needs twice the shared memory: smaller tiles, two stages.
+# Chosen for Hopper: 128-row tiles on 8 warps (two wgmma warpgroups) for large grids, 64-row tiles to fill the SMs
+# at batch 1 (a tile too big for a GPU's shared memory is skipped by the autotuner). fp32: smaller, two stages.
 _CONFIGS = {  # (kernel, operands are fp32) -> configurations
     ("fwd", False): tile_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]),
     ("dkdv", False): tile_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]),

@@ -4,7 +4,8 @@ that its log names each test that passed, even if a later one faults the GPU).
 In order of what a first GPU run must learn: the model on cuda:1 (when there is one) and the checked first launch
 on this GPU; qk_norm_rope at the head dims of 0.4b, 0.8b and 5b (64, 80, 76); SDPA's flash backend on 5b's padded
 head dim; then every configuration the autotuners may pick (kernels/attention_triton.py and its Hopper variants,
-attention_triton_hopper.py: forward, dK/dV and dQ kernels, bf16 and fp32), forced one at a time, at those head dims, forward and backward against the reference.
+attention_triton_hopper.py: forward, dK/dV and dQ kernels, bf16 and fp32), forced one at a time, at those head
+dims, forward and backward against the reference.
 
 Tolerance (flash-attention's rule): the kernel's error against an fp32 (fp64 for fp32 inputs) reference may be at
 most twice SDPA's error at the same input dtype, plus 2 machine epsilons of that dtype (SDPA's own error can be
