@@ -226,9 +226,10 @@ def _attn_bwd_dkdv_kernel(
         qk_t = _dot_t(k0, k1, q0, q1, D1=D1, PRECISION=PRECISION)
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
         dv0 = _dot(p_t.to(do0.dtype), do0, dv0, PRECISION=PRECISION)
+        dp_t = _dot(v0, tl.trans(do0), None, PRECISION=PRECISION)
         if D1 > 0:
             dv1 = _dot(p_t.to(do1.dtype), do1, dv1, PRECISION=PRECISION)
-        dp_t = _dot_t(v0, v1, do0, do1, D1=D1, PRECISION=PRECISION)
+            dp_t = _dot(v1, tl.trans(do1), dp_t, PRECISION=PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q0.dtype)
         dk0 = _dot(ds_t, q0, dk0, PRECISION=PRECISION)
         if D1 > 0:
@@ -323,8 +324,7 @@ _TUNED = {(name, fp32): triton.autotune(configs, key=AUTOTUNE_KEY)(_KERNELS[name
 drop_excluded(_TUNED, excluded_configs())
 
 
-# Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
-INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}  # CPU: the tests' shapes run several tiles and a ragged tail
 PINNED_BLOCKS: dict | None = None  # set by the CUDA tests: these tiles, not autotuning, in both attention files
 _BLOCK_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg"}
 
