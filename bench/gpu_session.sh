@@ -72,8 +72,8 @@ export TRITON_DEFAULT_FP_FUSION=1 TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/sapiens2-triton-cache}
 export SAPIENS2_KERNELS_CACHE=$DEST/auto-choices.json   # the dispatch's timing choices
 export SAPIENS2_TRITON_EXCLUDE=${SAPIENS2_TRITON_EXCLUDE:-}
-CUDA_TESTS=(  # the default forward/backward at D = 80 (0.8b), 76 (5b) and fp32, GQA packing, the forward and
-              # backward variants, qk_norm_rope at D = 76, the model on the Triton kernels, NaN bits
+CUDA_TESTS=(  # attention_triton.py's forward/backward at D = 80 (0.8b), 76 (5b) and fp32, GQA packing, the
+              # Hopper variants forward and backward, qk_norm_rope at D = 76, the model on the Triton kernels, NaN bits
     "tests/test_kernels.py::test_attention_forward_backward[dtype5-80-3-4-2-44]"
     "tests/test_kernels.py::test_attention_forward_backward[dtype7-76-1-4-4-44]"
     "tests/test_kernels.py::test_attention_forward_backward[dtype3-76-1-4-2-44]"
@@ -82,8 +82,8 @@ CUDA_TESTS=(  # the default forward/backward at D = 80 (0.8b), 76 (5b) and fp32,
     "tests/test_kernels.py::test_attention_forward_variants[dtype2-80-3-4-2-44-plain-order-r128]"
     "tests/test_kernels.py::test_attention_forward_variants[dtype2-80-3-4-2-44-tma-persistent]"
     "tests/test_kernels.py::test_attention_forward_variants[dtype2-80-3-4-2-44-poly-exp2-tma-packed]"
+    "tests/test_kernels.py::test_attention_backward_variants[dtype2-80-3-4-2-44-overlap]"
     "tests/test_kernels.py::test_attention_backward_variants[dtype2-80-3-4-2-44-tma]"
-    "tests/test_kernels.py::test_attention_backward_variants[dtype2-80-3-4-2-44-plain-order]"
     "tests/test_kernels.py::test_qk_norm_rope_forward[dtype6-rope_dtype6-76-1-2-2]"
     "tests/test_kernels.py::test_model_forward_on_triton_kernels_matches_reference[dtype1-bfloat16]"
     "tests/test_kernels.py::test_round_to_bf16_keeps_nan_and_matches_torch"

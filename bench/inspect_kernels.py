@@ -5,7 +5,8 @@ machine code: evidence about the kernels on a GPU that is not there.
     python bench/inspect_kernels.py --presets 5b --only attn_fwd --first-config     # a quick subset
 
 For presets 0.4b, 0.8b, 1b and 5b at 1024x768, batch 8, bf16 (sapiens2.PRESETS; N = 9 + 64 * 48 = 3081),
-forward and backward of attention (full-attention and GQA blocks) and of qk_norm_rope, this runs the real
+forward and backward of attention (full-attention and GQA blocks; kernels/attention_triton.py, then its Hopper
+variants, attention_triton_hopper.py: kernel names *_hopper_kernel) and of qk_norm_rope, this runs the real
 launchers (kernels/*_triton.py) on meta tensors with the launches intercepted, so that the kernels, the
 constexprs, the specialization of the arguments (the JIT's rules: an int equal to 1 becomes a constant,
 ints and pointers divisible by 16 get `tt.divisibility = 16`; CUDA allocations are 256-byte aligned) and
@@ -51,6 +52,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from sapiens2 import PRESETS  # noqa: E402
 from sapiens2.kernels import attention_triton as attention_triton  # noqa: E402
+from sapiens2.kernels import attention_triton_hopper as attention_triton_hopper  # noqa: E402
+from sapiens2.kernels.grid_triton import config_label  # noqa: E402
 from sapiens2.kernels import qk_norm_rope_triton as qk_norm_rope_triton  # noqa: E402
 from sapiens2_app import safe_io  # noqa: E402
 
@@ -95,32 +98,33 @@ def intercepted(launches: list):
         config = ({}, kwargs.pop("num_warps", 4), kwargs.pop("num_stages", 3), kwargs.pop("maxnreg", None))
         launches.append((self, args, kwargs, [config]))
 
-    saved = (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, attention_triton._has_tma_engine,
-             attention_triton.num_sms)
+    hopper = attention_triton_hopper
+    saved = (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, hopper._has_tma_engine, hopper.num_sms)
     Autotuner.run, JITFunction.run = autotuned_run, jit_run
-    attention_triton.compiled_for_gpu = lambda t: True
-    attention_triton._has_tma_engine = lambda t: True  # sm_90a
-    attention_triton.num_sms = lambda t: 132  # H100 / H200
+    attention_triton.compiled_for_gpu = lambda t: True  # both attention files ask this one
+    hopper._has_tma_engine = lambda t: True  # sm_90a
+    hopper.num_sms = lambda t: 132  # H100 / H200
     try:
         yield launches
     finally:
-        (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, attention_triton._has_tma_engine,
-         attention_triton.num_sms) = saved
+        (Autotuner.run, JITFunction.run, attention_triton.compiled_for_gpu, hopper._has_tma_engine,
+         hopper.num_sms) = saved
 
 
 def capture_launches(B, HQ, HKV, N, D, ops=("attention", "qk_norm_rope")):
     """[(pass, fn, args, kwargs, configs)] for one attention block's shapes."""
     rows = []
     q, k, v = bnhd(B, HQ, N, D), bnhd(B, HKV, N, D), bnhd(B, HKV, N, D)
-    if "attention" in ops:
+    for module in (attention_triton, attention_triton_hopper) if "attention" in ops else ():
         launches = []
         with intercepted(launches):
-            o, lse = attention_triton.attention_fwd(q, k, v)
+            o, lse = module.attention_fwd(q, k, v)
         rows += [("fwd", *launch) for launch in launches]
         launches = []
         with intercepted(launches):
-            attention_triton.attention_bwd(q, k, v, o, lse, bnhd(B, HQ, N, D))
-        rows += [("bwd", *launch) for launch in launches]
+            module.attention_bwd(q, k, v, o, lse, bnhd(B, HQ, N, D))
+        seen = {row[1] for row in rows}  # the delta kernel is shared: once
+        rows += [("bwd", *launch) for launch in launches if launch[0] not in seen]
     if "qk_norm_rope" in ops:
         P = N - 9
         w = torch.empty(D, dtype=DTYPE, device="meta")
@@ -341,7 +345,7 @@ def kv_traffic(name, consts, B, HQ, N, D) -> dict:
     all N keys and values of its K/V head, D columns of bf16 each) and all tiles together (a persistent program
     walks several tiles: the total is the same). This is what GQA packing (PACK) changes: a packed tile holds the
     GROUP heads of one K/V head, so a K/V tile serves GROUP heads per load."""
-    if name != "_attn_fwd_kernel":
+    if name not in ("_attn_fwd_kernel", "_attn_fwd_hopper_kernel"):
         return {}
     heads = consts["GROUP"] if consts.get("PACK") else 1
     tokens = consts["BLOCK_M"] // heads
@@ -367,8 +371,7 @@ def inspect(presets, arch, only=None, first_config=False, ops=("attention", "qk_
                 if only and not re.search(only, name):
                     continue
                 for config_kwargs, num_warps, num_stages, maxnreg in configs[:1] if first_config else configs:
-                    cfg_label = attention_triton.config_label({**kwargs, **config_kwargs}, num_warps, num_stages,
-                                                              maxnreg)
+                    cfg_label = config_label({**kwargs, **config_kwargs}, num_warps, num_stages, maxnreg)
                     if cfg and not re.search(cfg, cfg_label):
                         continue
                     bound = bind(fn, args, kwargs, config_kwargs)
@@ -412,13 +415,13 @@ def ctas_per_sm(report: dict, num_warps: int) -> int:
     return min(by_registers, by_shared, SM_WARPS // num_warps)
 
 
-COLUMNS = [("preset", 5), ("block", 5), ("name", 26), ("cfg", 18), ("regs", 4), ("spill", 5), ("smem", 6),
+COLUMNS = [("preset", 5), ("block", 5), ("name", 29), ("cfg", 18), ("regs", 4), ("spill", 5), ("smem", 6),
            ("cta/sm", 6), ("hgmma", 5), ("ldl/stl", 7), ("ldg16", 5), ("ldg128", 6), ("ldgsts", 6), ("utmaldg", 7),
            ("ex2@mma", 7), ("kvGB", 5)]
 
 
 def format_row(r) -> str:
-    cfg = attention_triton.config_label(r["constexprs"], r["num_warps"], r["num_stages"], r.get("maxnreg"))
+    cfg = config_label(r["constexprs"], r["num_warps"], r["num_stages"], r.get("maxnreg"))
     kv = f"{r['kv_bytes_total'] / 1e9:.2f}" if "kv_bytes_total" in r else ""
     spill = (r["spill_store_bytes"] or 0) + (r["spill_load_bytes"] or 0)
     cells = [r["preset"], r["block"], r["name"], cfg, r["registers"], spill, r["shared_bytes"], r["ctas_per_sm"],

@@ -23,7 +23,7 @@ keeps what it measured), in the order of --ops. --impls keeps some rows only (sd
 backends; triton: autotuned; auto; forced: every triton[LABEL]; or one impl by name), and --append merges them
 into an existing --out (a row of the same case replaces the old one): bench/gpu_session.sh runs the SDPA rows,
 then each forced variant in its own process (one that faults on the GPU loses only its own rows, and is named),
-then autotuning, all into one JSON. SAPIENS2_TRITON_EXCLUDE=LABEL,... (kernels/attention_triton.py) removes
+then autotuning, all into one JSON. SAPIENS2_TRITON_EXCLUDE=LABEL,... (kernels/grid_triton.py) removes
 configurations from autotuning and skips those forced rows.
 CPU: the same ops at small shapes, reference vs torch.compile(reference), so that this script keeps running
 in CI; its numbers say nothing about the GPU.
@@ -136,10 +136,12 @@ def attention_impls(device: str, with_backends: bool, batch: int, with_compile: 
         impls["compiled_reference"] = torch.compile(attention_reference)
     if device == "cuda":
         from sapiens2 import kernels
-        from sapiens2.kernels.attention_triton import attention_triton
+        from sapiens2.kernels import attention_triton, attention_triton_hopper
 
-        # auto: what the default dispatch runs (the faster of the two, timed once per case)
-        impls = {"triton": attention_triton, "auto": kernels.attention, **impls}
+        # triton: attention_triton.py autotuned; triton_hopper: the Hopper variants autotuned beside its tiles
+        # (what SAPIENS2_KERNELS=fastest runs); auto: what the default dispatch runs
+        impls = {"triton": attention_triton.attention_triton, "triton_hopper": attention_triton_hopper.attention_triton,
+                 "auto": kernels.attention, **impls}
     if with_backends:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -159,11 +161,12 @@ def attention_impls(device: str, with_backends: bool, batch: int, with_compile: 
 
 
 # CUDA: forward rows with the Triton tiles forced, beside the autotuned "triton" row, so that one run says what
-# each loop variant is worth: the plain order (softmax, then P V), the same capped at 128 registers (r128: two
-# programs per SM), the overlapped order (o: the next Q K^T issued before P V, the softmax under the MMA), K/V
-# through TMA descriptors (t), and a persistent grid (g). Labels as bench/inspect_kernels.py.
+# each Hopper variant (kernels/attention_triton_hopper.py) is worth against attention_triton.py's kernel at the
+# same tile (the first label, no variant letter): the same capped at 128 registers (r128: two programs per SM),
+# the overlapped order (o: the next Q K^T issued before P V, the softmax under the MMA), K/V through TMA
+# descriptors (t), and a persistent grid (g). Labels as bench/inspect_kernels.py.
 FORCED_FORWARD = {
-    "128x64w8s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=False),
+    "128x64w8s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     "128x64w8s3r128": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=False, maxnreg=128),
     "128x64w8s3o": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=True),
     "128x64w8s3to": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, OVERLAP=True, TMA=True),
@@ -173,13 +176,31 @@ FORCED_FORWARD = {
 
 
 def forced_forward_impls():
-    """{triton[LABEL]: launcher}; None for a label SAPIENS2_TRITON_EXCLUDE names (its row says so)."""
-    from sapiens2.kernels.attention_triton import attention_fwd, excluded_configs
+    """{triton[LABEL]: launcher}; None for a label SAPIENS2_TRITON_EXCLUDE names (its row says so). A label without
+    variant letters runs attention_triton.py, the others its Hopper variants (plain order unless `o`)."""
+    from sapiens2.kernels import attention_triton, attention_triton_hopper
+    from sapiens2.kernels.grid_triton import VARIANT_LETTERS, excluded_configs
 
     def forced(blocks):
-        return lambda q, k, v: attention_fwd(q, k, v, blocks=blocks)[0]
+        variants = any(blocks.get(flag) for _, flag in VARIANT_LETTERS) or blocks.get("maxnreg")
+        if not variants:
+            return lambda q, k, v: attention_triton.attention_fwd(q, k, v, blocks=blocks)[0]
+        blocks = {"OVERLAP": False, **blocks}
+        return lambda q, k, v: attention_triton_hopper.attention_fwd(q, k, v, blocks=blocks)[0]
     excluded = excluded_configs()
     return {f"triton[{label}]": None if label in excluded else forced(blocks) for label, blocks in FORCED_FORWARD.items()}
+
+
+def tuned_forward_config(impl: str, q, k, v) -> str | None:
+    """The label of the forward configuration the autotuner chose for this impl's last launch."""
+    from sapiens2.kernels import attention_triton, attention_triton_hopper
+    from sapiens2.kernels.grid_triton import tuned_label
+
+    if impl == "triton":
+        return tuned_label(attention_triton._TUNED["fwd", q.dtype == torch.float32])
+    hopper = attention_triton_hopper
+    tma = hopper.tma_usable(*(attention_triton.aligned_heads(t) for t in (k, v)))
+    return tuned_label(hopper._TUNED["fwd", q.dtype == torch.float32, tma])
 
 
 def max_rel_err(got, want) -> float | None:
@@ -225,10 +246,8 @@ def bench_attention(rec, device, shapes, dtype, reps, peak_tflops, with_backward
                     tflops=fwd_flops, peak_tflops=peak_tflops)
             if ms is not None:
                 r["max_rel_err"] = max_rel_err(run_or_none(lambda: fn(q, k, v)), want)
-            if impl == "triton" and ms is not None:
-                from sapiens2.kernels.attention_triton import tuned_config
-
-                r["config"] = tuned_config("fwd", q.dtype)
+            if impl in ("triton", "triton_hopper") and ms is not None:
+                r["config"] = tuned_forward_config(impl, q, k, v)
             rec.add(r)
         del want
         if bwd_impls:

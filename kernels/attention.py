@@ -9,6 +9,8 @@ no dropout. The output has the shape of q; its memory layout may differ (an impl
 projection is free).
 """
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -67,11 +69,11 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float | None = None
 
 
 def _attention_triton(q, k, v, scale):
-    """The Triton implementation (kernels/attention_triton.py), imported on first use so that
-    `import kernels` never imports triton. Setting this hook to None means "reference only"."""
-    from .attention_triton import attention_triton
-
-    return attention_triton(q, k, v, scale)
+    """The Triton implementation the choice in force names (dispatch.TRITON_ATTENTION_MODULE: attention_triton.py,
+    or its Hopper variants under fastest), imported on first use so that `import kernels` never imports triton.
+    Setting this hook to None means "reference only"."""
+    name = dispatch.TRITON_ATTENTION_MODULE.get(dispatch.requested_backend(), "attention_triton")
+    return importlib.import_module(f".{name}", __package__).attention_triton(q, k, v, scale)
 
 
 def _race(q, k, v, scale):

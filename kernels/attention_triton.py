@@ -1,63 +1,25 @@
-"""Triton flash attention (non-causal, GQA), forward and backward.
+"""Triton flash attention (FlashAttention-2, non-causal, GQA), forward and backward.
 
-Imported lazily by kernels/attention.py (never at `import kernels` time). The definition is
-`attention_reference`:  o[b, h] = softmax(q[b, h] @ k[b, g]^T * scale) @ v[b, g],  g = h // (Hq / Hkv).
+The definition is `attention_reference`: o[b, h] = softmax(q[b, h] @ k[b, g]^T * scale) @ v[b, g], g = h // (Hq / Hkv).
 
-Forward (FlashAttention-2 online softmax, base 2): one program owns BLOCK_M query rows of one (b, h) and
-streams the N keys/values of head g in BLOCK_N tiles, keeping a running max m, a running sum l and an fp32
-accumulator; it writes o = acc / l and the log-sum-exp lse = m + log2(l) (base 2, scaled) for the backward.
-    * GQA: the program reads key/value head g = h // r directly; K/V are never repeated in memory, and the r
-      query heads of one group are neighbours in the grid so their K/V tiles are shared through L2.
-      Packing (PACK, autotuned beside the unpacked tiles): one program stacks the r query heads of K/V
-      head g in its tile's rows (BLOCK_M / r tokens of each), so every K/V tile it loads serves the whole
-      group through one dot; the packed 256-row tile reads half the K/V bytes of the 128-row tiles.
-    * Ragged N: the key loop runs over the full tiles without any masking, then one masked tail tile
-      (scores of keys >= N set to -inf). Query rows >= N are computed on zeros and never stored.
-    * Loop order (OVERLAP, autotuned): the next tile's Q K^T is issued before this tile's P V, so the P V
-      wgmma runs while the next softmax is computed (FlashAttention-3's intra-warpgroup overlap, written as a
-      software pipeline in the loop; Triton keeps the P V wgmma in flight across the iteration). It holds two
-      score tiles, so the largest tiles keep the plain order (softmax, then P V), which alternates MMA and
-      softmax. bench/inspect_kernels.py reads which one a compiled kernel does (column ex2@mma).
-    * K/V loads (TMA, autotuned, Hopper and later): tensor descriptors made in the kernel, one per tensor and
-      column chunk, so the copy engine (UTMALDG) streams the tiles into shared memory and zero-fills the rows
-      past N and the columns past D; else pointer loads that Triton pipelines with cp.async. TMA needs heads
-      on 16-byte boundaries (tma_usable; the aligned layout gives that at 5b too) and an allocator for the
-      descriptors (installed on first use unless the user set one).
-    * Persistent grid (PERSISTENT, autotuned): one program per SM walks the tiles with a grid-stride loop; the
-      K/V descriptors ((B, N, Hkv, D), one per column chunk) are made once per program either way.
-    * exp2 on the FMA units (POLY_EXP2, autotuned, bf16/fp16): half of the full tiles' exp2s (the odd columns)
-      from a degree-3 polynomial instead of MUFU, which at D = 64 is as slow as the tensor cores (_exp2_split).
-    * Head dims that are not a power of two (80 in 0.8b, 76 in 5b) are NOT padded to 128: D is split into
-      a power-of-two chunk D0 <= D plus a second chunk D1 = next_pow2(D - D0) >= 16 (80 = 64 + 16,
-      76 = 64 + 16 with 12 columns masked, 96 = 64 + 32), each with its own tl.dot, so the MMA work is
-      D0 + D1 instead of next_pow2(D) (80 vs 128 columns: 37.5% less).
-    * Precision: tl.dot accumulates in fp32; P (and dS in the backward) is rounded to the input dtype for
-      its matmul, as in FlashAttention. fp32 inputs use 3xTF32 dots on CUDA (about fp32 accuracy on the
-      tensor cores; plain tf32 when torch.backends.cuda.matmul.allow_tf32 is set) and exact fp32 dots in
-      the interpreter.
-    * Output layout: o is (B, N, Hq, D)-contiguous memory viewed as (B, Hq, N, D), so the model's
-      `o.transpose(1, 2).reshape(B, N, Hq * D)` is free.
-Backward (FlashAttention-2, no atomics, deterministic): delta = rowsum(dO * O) (a small kernel); a dK/dV
-kernel with one program per BLOCK_N keys of one (b, g) that loops over the r query heads of its group and
-all query tiles (so GQA's sum over the group happens in registers); and a dQ kernel with one program per
+Forward: one program owns BLOCK_M query rows of one (b, h) and walks the keys and values of head g in BLOCK_N
+tiles with the online softmax (base 2): a running max m, a running sum l and an fp32 accumulator, rescaled by
+alpha = 2^(m_old - m_new) when the max grows. It writes o = acc / l and lse = m + log2(l) for the backward.
+Backward (no atomics, deterministic): delta = rowsum(dO * O); a dK/dV program per BLOCK_N keys of one (b, g)
+that loops over the query heads of its group (GQA's sum over the group stays in registers); a dQ program per
 BLOCK_M queries that loops over the keys. P is recomputed from q, k and the saved lse.
 
-Limits: D in [16, 256]; q, k, v of one dtype among fp16, bf16, fp32; any strides (a unit stride on D
-is what makes the loads fast); Hq % Hkv == 0.
-Block sizes: autotuned on CUDA (key: N, B * Hq, D, dtype) over configurations chosen for Hopper (H100/H200:
-128 x 64 and 128 x 128 tiles with 8 warps for big grids, 64-row tiles when B * Hq * cdiv(N, 128) leaves
-SMs idle, e.g. batch 1); fixed small tiles when interpreting on CPU (TRITON_INTERPRET=1).
-Not done here (unmeasured without a GPU; see kernels/README.md): Triton's automatic warp specialization
-(tl.range(warp_specialize=True)) does not apply on sm_90 in triton 3.9 (with 8 warps the SASS is unchanged; with
-4 warps the pass fails to compile), so there is no producer warpgroup or ping-pong of two consumer warpgroups
-(r128, two programs per SM, is the nearest thing). The backward has OVERLAP and TMA variants too (autotuned, see
-the configurations), no POLY_EXP2 (its exp2s are a smaller share of its work: 3 or 4 MMAs per tile of exp2s
-instead of 2).
-"""
+    * GQA: K/V head g is read in place for its query heads; K/V are never repeated in memory.
+    * Ragged N: the full key tiles load without masks; one masked tail tile follows (keys >= N score -inf).
+    * Head dims that are not a power of two are not padded to 128: D = D0 + D1 with D0 the largest power of
+      two <= D and D1 >= 16 (80 = 64 + 16, 76 = 64 + 12 padded to 16), one tl.dot per chunk.
+    * Precision: fp32 accumulation; P and dS rounded to the input dtype for their MMA, as in FlashAttention.
+    * Layout: o is (B, N, Hq, D)-contiguous memory viewed as (B, Hq, N, D): merging the heads is free.
 
-import math
-import os
-import threading
+Limits: D in [16, 256]; q, k, v of one dtype among fp16, bf16, fp32; any strides; Hq % Hkv == 0.
+Block sizes: autotuned on CUDA, 16 x 16 in the CPU interpreter. The Hopper-only variants (TMA, persistent grid,
+polynomial exp2, overlapped loops, GQA packing) are opt-in, in attention_triton_hopper.py (docs/kernels.md).
+"""
 
 import torch
 import triton
@@ -66,280 +28,145 @@ import triton.language as tl
 from . import dispatch
 from .attention import attention_reference
 from .dispatch import launched_on_device
-from .grid_triton import (aligned_heads, check_image_elements, flat_grid, heads_aligned, program_coords,
-                          tile_coords)
+from .grid_triton import (aligned_heads, batch_bucket, check_attention_inputs, check_image_elements, check_out,
+                          drop_excluded, empty_bnhd, excluded_configs, flat_grid, launch_options,
+                          program_coords, tile_configs)
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # softmax(x) = 2^(x * log2(e)) / sum: exp2 is the hardware's exponential
 
-# ----------------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------------
+# ---- Tiles: loads, stores and dots over the two head-dim chunks ---------------------------------------------
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc + a @ b (acc None: a @ b) with fp32 accumulation. Passing the accumulator into the dot (instead of
-    adding its result) accumulates inside the wgmma, so the result need not be waited for and added before
-    the next step. UPCAST_DOT (set only when interpreting on CPU) widens the operands to fp32 first: the
-    Triton interpreter multiplies bf16 operands as their raw 16-bit integers. Products of bf16/fp16 values
-    are exact in fp32, so this computes what the tensor cores compute."""
-    if UPCAST_DOT:
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in fp32 (acc None: a @ b). "ieee" (the CPU interpreter, which would multiply bf16 as raw integers)
+    widens the operands to fp32 first: exact products; otherwise the tensor cores take them as they are."""
+    if PRECISION == "ieee":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
-def _key_rows(desc, base, b, g, start_n, N, stride_n, stride_d, col0, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, TMA: tl.constexpr):
-    """Rows start_n .. start_n + BLOCK_N, columns col0 .. col0 + COLS of K or V head g of image b: (BLOCK_N, COLS),
-    zero where row >= N or column >= HEAD_DIM. TMA: one load through the (B, N, Hkv, HEAD_DIM) descriptor `desc`
-    (the copy engine fills the out-of-bounds rows and columns with zeros); else pointer loads from `base` (head g
-    of image b; cp.async when pipelined), masked only where needed."""
-    if TMA:
-        return tl.reshape(desc.load([b.to(tl.int32), start_n, g.to(tl.int32), col0]), [BLOCK_N, COLS])
+def _load_rows(head_ptr, row0, n_rows, stride_row, stride_col, ROWS: tl.constexpr, COL0: tl.constexpr,
+               COLS: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows row0 .. row0 + ROWS, columns COL0 .. COL0 + COLS of one head: zero past n_rows and past HEAD_DIM.
+    Masks only where a tile can be ragged, so the full tiles stay plain (vectorized, pipelined) loads."""
+    rows = row0 + tl.arange(0, ROWS)
+    cols = COL0 + tl.arange(0, COLS)
+    ptrs = head_ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
+    elif COL0 + COLS > HEAD_DIM:
+        return tl.load(ptrs, mask=(cols < HEAD_DIM)[None, :], other=0.0)
     else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_d = col0 + tl.arange(0, COLS)
-        ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
-        if MASK_N:
-            return tl.load(ptrs, mask=(offs_n < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-        elif col0 + COLS > HEAD_DIM:
-            return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-        else:
-            return tl.load(ptrs)
+        return tl.load(ptrs)
 
 
 @triton.jit
-def _kv_descriptors(k_ptr, v_ptr, B, N, HKV, skb, skh, skn, svb, svh, svn, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-                    D1: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """TMA: descriptors of the whole K and V, (B, N, Hkv, HEAD_DIM), one per column chunk (made once per program,
-    whatever heads it visits), so that the copy engine zero-fills the rows past N and the columns past HEAD_DIM
-    (76 -> 80 at 5b). Else the base pointers (unused: _key_rows reads through pointers)."""
-    if TMA:
-        shape = [B, N, HKV, HEAD_DIM]
-        k0 = tl.make_tensor_descriptor(k_ptr, shape, [skb, skn, skh, 1], [1, BLOCK_N, 1, D0])
-        v0 = tl.make_tensor_descriptor(v_ptr, shape, [svb, svn, svh, 1], [1, BLOCK_N, 1, D0])
-        if D1 > 0:
-            k1 = tl.make_tensor_descriptor(k_ptr, shape, [skb, skn, skh, 1], [1, BLOCK_N, 1, D1])
-            v1 = tl.make_tensor_descriptor(v_ptr, shape, [svb, svn, svh, 1], [1, BLOCK_N, 1, D1])
-        else:
-            k1, v1 = k0, v0  # unused
-        return k0, k1, v0, v1
-    else:
-        return k_ptr, k_ptr, v_ptr, v_ptr
-
-
-@triton.jit
-def _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd,
-            HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-            TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """S = Q K^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32, unscaled; with MASK_N, keys >= N are -inf."""
-    k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
-    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
+def _load_chunks(head_ptr, row0, n_rows, stride_row, stride_col, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D0: tl.constexpr, D1: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """A (ROWS, HEAD_DIM) tile as its column chunks (ROWS, D0) and (ROWS, D1); with D1 == 0 the second is unused."""
+    x0 = _load_rows(head_ptr, row0, n_rows, stride_row, stride_col, ROWS=ROWS, COL0=0, COLS=D0, HEAD_DIM=HEAD_DIM,
+                    MASK_ROWS=MASK_ROWS)
+    x1 = x0
     if D1 > 0:
-        k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
+        x1 = _load_rows(head_ptr, row0, n_rows, stride_row, stride_col, ROWS=ROWS, COL0=D0, COLS=D1,
+                        HEAD_DIM=HEAD_DIM, MASK_ROWS=MASK_ROWS)
+    return x0, x1
+
+
+@triton.jit
+def _store_chunks(head_ptr, row0, n_rows, stride_row, stride_col, x0, x1, ROWS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
+    """Store rows row0 .. row0 + ROWS (those < n_rows) of both column chunks, in the output's dtype."""
+    rows = row0 + tl.arange(0, ROWS)
+    row_ptrs = head_ptr + rows[:, None] * stride_row
+    cols0, cols1 = tl.arange(0, D0), D0 + tl.arange(0, D1 if D1 > 0 else 16)
+    tl.store(row_ptrs + cols0[None, :] * stride_col, x0.to(head_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None])
+    if D1 > 0:
+        tl.store(row_ptrs + cols1[None, :] * stride_col, x1.to(head_ptr.dtype.element_ty),
+                 mask=(rows < n_rows)[:, None] & (cols1 < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _dot_t(a0, a1, b0, b1, D1: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b^T over both chunks (fp32): a0 @ b0^T + a1 @ b1^T."""
+    c = _dot(a0, tl.trans(b0), None, PRECISION=PRECISION)
+    if D1 > 0:
+        c = _dot(a1, tl.trans(b1), c, PRECISION=PRECISION)
+    return c
+
+
+# ---- Forward -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, start_n, N, skn, skd, svn, svd, qk_scale,
+                  HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One step of the online softmax: keys start_n .. start_n + BLOCK_N into (acc, m, l)."""
+    k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
+                          MASK_ROWS=MASK_N)
+    s = _dot_t(q0, q1, k0, k1, D1=D1, PRECISION=PRECISION)  # (BLOCK_M, BLOCK_N)
     if MASK_N:
         s = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], s, float("-inf"))
-    return s
-
-
-# 2^f on [-0.5, 0.5] as C0 + f (C1 + f (C2 + f C3)): a degree-3 fit of the relative error (max 7.5e-5 in fp32 on a
-# grid of 20,001 points; tests/test_kernels.py checks it), far below the bf16 rounding of P (up to 2^-8 = 3.9e-3).
-EXP2_COEFFS = (0.9999281167984009, 0.6932609677314758, 0.24261045455932617, 0.055171284824609756)
-_C0, _C1, _C2, _C3 = (tl.constexpr(c) for c in EXP2_COEFFS)
-# 1.5 * 2^23: adding it rounds a float below 2^22 in magnitude to an integer held in the low mantissa bits.
-_ROUNDER = tl.constexpr(12582912.0)
-
-
-@triton.jit
-def _exp2_fma(x):
-    """2^x for finite x <= 0 on the FMA and integer units only (no MUFU, no conversion instruction, which run at
-    the same 16 per clock as MUFU): j = round(x) with the 1.5 * 2^23 trick, f = x - j in [-0.5, 0.5], a
-    polynomial for 2^f, and j added to the float's exponent bits (the rounder's bits shifted by 23 leave exactly
-    j). Clamped at -126 (no exponent underflow): below 2^-126 it returns tiny values instead of 0, which add
-    nothing next to a row sum >= 1."""
-    x = tl.maximum(x, -126.0)
-    rounded = x + _ROUNDER
-    f = x - (rounded - _ROUNDER)
-    p = _C0 + f * (_C1 + f * (_C2 + f * _C3))
-    return (p.to(tl.int32, bitcast=True) + (rounded.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_split(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """2^x of a (BLOCK_M, BLOCK_N) tile, the even columns on the special-function unit (MUFU.EX2) and the odd ones
-    on the FMA units (_exp2_fma): FlashAttention-4's answer to the exp unit being as slow as the tensor cores at
-    D = 64 (16 exp2 vs 4,096 MMA flops per clock and SM on Hopper: a 128 x 64 score tile costs both 512 clocks).
-    The columns are paired in each thread's registers in the wgmma layout, so the split and join move no data."""
-    even, odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 2, 2]))
-    return tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [BLOCK_M, BLOCK_N])
-
-
-@triton.jit
-def _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    POLY_EXP2: tl.constexpr):
-    """Online softmax (base 2): the tile's probabilities p, the factor alpha that rescales what was accumulated
-    before, and the new running max and sum. POLY_EXP2: half of p from the FMA units (_exp2_split); the tile must
-    have no masked (-inf) scores."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: every tile holds at least one key < N
-    if POLY_EXP2:
-        p = _exp2_split(s * qk_scale - m_new[:, None], BLOCK_M, BLOCK_N)
-    else:
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
-                HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc * alpha + P V for one tile of values (P rounded to the input dtype for the MMA, as in FlashAttention)."""
-    v0 = _key_rows(v_desc0, v_base, b, g, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
+                          MASK_ROWS=MASK_N)
     p = p.to(v0.dtype)
-    acc0 = _dot(p, v0, acc0 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+    acc0 = _dot(p, v0, acc0 * alpha[:, None], PRECISION=PRECISION)
     if D1 > 0:
-        v1 = _key_rows(v_desc1, v_base, b, g, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        acc1 = _dot(p, v1, acc1 * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
-    return acc0, acc1
+        acc1 = _dot(p, v1, acc1 * alpha[:, None], PRECISION=PRECISION)
+    return acc0, acc1, m_new, l_i
 
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, N, D) x2, any strides (TMA: aligned heads, unit stride on D)
-    o_ptr,  # (B, Hq, N, D) output, any strides (the launcher makes it (B, N, Hq, D)-contiguous)
-    lse_ptr,  # (B * Hq, N) fp32: base-2 log-sum-exp of the scaled scores, for the backward
-    N, HQ, qk_scale,
+    q_ptr, k_ptr, v_ptr,  # (B, Hq, N, D), (B, Hkv, N, D) x2, any strides
+    o_ptr,  # (B, Hq, N, D) output
+    lse_ptr,  # (B * Hq, N) fp32 output: base-2 log-sum-exp of the scaled scores, for the backward
+    N, HQ, qk_scale,  # qk_scale = scale * log2(e)
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    BH,  # B * Hq (the batch size is BH // HQ)
-    BH_BUCKET,  # batch_bucket(BH): only an autotuning key
+    BH_BUCKET,  # batch_bucket(B * Hq): only an autotuning key
     GROUP: tl.constexpr,  # Hq / Hkv
-    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PACK: tl.constexpr,  # stack the GROUP query heads of one K/V head in the tile's rows (GQA packing)
-    TMA: tl.constexpr,  # load K/V tiles through tensor descriptors (Hopper's TMA copy engine)
-    OVERLAP: tl.constexpr,  # issue the next tile's Q K^T before this tile's P V (softmax under the MMA; more registers)
-    POLY_EXP2: tl.constexpr,  # half of the full tiles' exp2 on the FMA units (bf16/fp16 only: 7.5e-5 relative error)
-    PERSISTENT: tl.constexpr,  # one program per SM walks the tiles (grid-stride loop) instead of one per tile
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Flat grid, tiles fastest (grid_triton.py): one tile of BLOCK_M query rows per program, or with PERSISTENT
-    one program per SM that takes tiles program_id, program_id + programs, ... (no tail wave of short-lived
-    programs, and the TMA descriptors are made once per program rather than once per tile)."""
-    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_ptr, v_ptr, BH // HQ, N, HQ // GROUP, skb, skh, skn,
-                                                         svb, svh, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
-    if PERSISTENT:
-        tiles = tl.cdiv(N, BLOCK_M // GROUP if PACK else BLOCK_M) * (BH // GROUP if PACK else BH)
-        for index in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            _attn_fwd_tile(index, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1, N, HQ,
-                           qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-                           GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, DOT_PRECISION,
-                           UPCAST_DOT)
-    else:
-        _attn_fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1,
-                       N, HQ, qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-                       GROUP, HEAD_DIM, D0, D1, BLOCK_M, BLOCK_N, PACK, TMA, OVERLAP, POLY_EXP2, DOT_PRECISION,
-                       UPCAST_DOT)
-
-
-@triton.jit
-def _attn_fwd_tile(
-    index, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc0, k_desc1, v_desc0, v_desc1, N, HQ, qk_scale,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, TMA: tl.constexpr, OVERLAP: tl.constexpr,
-    POLY_EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):
-    """Tile `index` (tiles fastest) of BLOCK_M query rows:
-    PACK False: BLOCK_M tokens of one query head h (cdiv(N, BLOCK_M) * B * Hq tiles);
-    PACK True:  BLOCK_M // GROUP tokens of each of the GROUP query heads that share K/V head g, stacked
-                head-major in the rows (cdiv(N, BLOCK_M // GROUP) * B * Hkv tiles). Every K/V tile the
-                program loads then serves all the heads of its group through one dot, instead of being loaded
-                by GROUP programs. The launcher sets PACK only when GROUP > 1 divides BLOCK_M."""
-    rows = tl.arange(0, BLOCK_M)
-    if PACK:
-        tl.static_assert(GROUP > 1 and BLOCK_M % GROUP == 0)
-        TOKENS: tl.constexpr = BLOCK_M // GROUP
-        tile, b, g = tile_coords(index, tl.cdiv(N, TOKENS), HQ // GROUP)
-        h0 = g * GROUP  # first query head of the tile (int64)
-        offs_m = tile * TOKENS + rows % TOKENS  # token of each row
-        row_head = rows // TOKENS  # query head of each row, relative to h0
-    else:
-        tile, b, h0 = tile_coords(index, tl.cdiv(N, BLOCK_M), HQ)
-        g = h0 // GROUP
-        offs_m = tile * BLOCK_M + rows
-        row_head = 0
-    offs_d0 = tl.arange(0, D0)
-    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)  # a dummy 16 when there is no second chunk
-    mask_m = offs_m < N
-    mask_d1 = offs_d1 < HEAD_DIM
-
-    # Q is loaded once per tile and O stored once: plain pointer accesses (int64 base of head h0 of image b,
-    # int32 offsets within the image). K and V are streamed: through TMA descriptors when asked for.
-    q_rows = q_ptr + b * sqb + h0 * sqh + (row_head * sqh + offs_m * sqn)[:, None]
-    q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)
+    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs, tiles fastest (grid_triton.py)."""
+    tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
+    g = h // GROUP  # the K/V head serving query head h
+    start_m = tile * BLOCK_M
+    q0, q1 = _load_chunks(q_ptr + b * sqb + h * sqh, start_m, N, sqn, sqd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, D0=D0,
+                          D1=D1, MASK_ROWS=True)
     acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
-    if D1 > 0:
-        q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-        acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
-    else:
-        q1 = q0  # unused
-        acc1 = acc0  # unused
+    acc1 = tl.zeros([BLOCK_M, D1 if D1 > 0 else 16], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_head = k_ptr + b * skb + g * skh
+    v_head = v_ptr + b * svb + g * svh
 
-    k_base = k_ptr + b * skb + g * skh
-    v_base = v_ptr + b * svb + g * svh
-
-    # The full key tiles, then one masked tail tile. With OVERLAP the full tiles are software-pipelined by hand:
-    # the scores of tile j + 1 are computed before the P V product of tile j, so that on Hopper the P V wgmma is
-    # still running while the softmax of tile j + 1 is computed (FlashAttention-3's intra-warpgroup overlap;
-    # bench/inspect_kernels.py counts the exp2s issued under a wgmma). It keeps two score tiles alive, so the
-    # largest tiles use the plain order (softmax, then P V of the same tile), which Triton compiles to MMAs and
-    # softmax that alternate.
     n_full = (N // BLOCK_N) * BLOCK_N
-    if not OVERLAP:
-        for start_n in range(0, n_full, BLOCK_N):
-            s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False,
-                        TMA, DOT_PRECISION, UPCAST_DOT)
-            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
-            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
-                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-    elif n_full > 0:
-        s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, 0, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
-                    DOT_PRECISION, UPCAST_DOT)
-        for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
-            p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
-            s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, start_n + BLOCK_N, N, skn, skd, HEAD_DIM, D0, D1,
-                        BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-            acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, start_n, N, svn, svd,
-                                     HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, POLY_EXP2)
-        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, n_full - BLOCK_N, N, svn, svd,
-                                 HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-    if n_full < N:
-        s = _scores(q0, q1, k_desc0, k_desc1, k_base, b, g, n_full, N, skn, skd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA,
-                    DOT_PRECISION, UPCAST_DOT)
-        p, alpha, m_i, l_i = _softmax_update(s, m_i, l_i, qk_scale, BLOCK_M, BLOCK_N, False)
-        acc0, acc1 = _accumulate(p, alpha, acc0, acc1, v_desc0, v_desc1, v_base, b, g, n_full, N, svn, svd,
-                                 HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
+    for start_n in range(0, n_full, BLOCK_N):
+        acc0, acc1, m_i, l_i = _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, start_n, N, skn, skd,
+                                             svn, svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N,
+                                             MASK_N=False, PRECISION=PRECISION)
+    if n_full < N:  # the ragged tail
+        acc0, acc1, m_i, l_i = _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, n_full, N, skn, skd,
+                                             svn, svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N,
+                                             MASK_N=True, PRECISION=PRECISION)
 
     inv_l = 1.0 / l_i
-    o_rows = o_ptr + b * sob + h0 * soh + (row_head * soh + offs_m * son)[:, None]
-    o_dtype = o_ptr.dtype.element_ty
-    tl.store(o_rows + offs_d0[None, :] * sod, (acc0 * inv_l[:, None]).to(o_dtype), mask=mask_m[:, None])
-    if D1 > 0:
-        tl.store(o_rows + offs_d1[None, :] * sod, (acc1 * inv_l[:, None]).to(o_dtype),
-                 mask=mask_m[:, None] & mask_d1[None, :])
-    lse_rows = lse_ptr + (b * HQ + h0) * N + row_head * N + offs_m
-    tl.store(lse_rows, m_i + tl.math.log2(l_i), mask=mask_m)
+    _store_chunks(o_ptr + b * sob + h * soh, start_m, N, son, sod, acc0 * inv_l[:, None], acc1 * inv_l[:, None],
+                  ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tl.store(lse_ptr + (b * HQ + h) * N + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < N)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Backward
-# ----------------------------------------------------------------------------------------------------
+# ---- Backward ------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -350,723 +177,258 @@ def _attn_bwd_delta_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
-    bh = b * HQ + h
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod, mask=mask, other=0.0)
     do = tl.load(do_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :] * sgd, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(delta_ptr + bh * N + offs_m, delta, mask=offs_m < N)
-
-
-@triton.jit
-def _query_rows(desc, image_base, h, start_m, N, sh, sn, sd, col0, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
-                BLOCK_M: tl.constexpr, TMA: tl.constexpr):
-    """Rows start_m .. start_m + BLOCK_M, columns col0 .. col0 + COLS of query-side head h (q or dO) of one image:
-    (BLOCK_M, COLS), zero where row >= N or column >= HEAD_DIM. TMA: one load through the image's (N, Hq, D)
-    descriptor (one descriptor serves every head the loop visits)."""
-    if TMA:
-        return tl.reshape(desc.load([start_m, h.to(tl.int32), col0]), [BLOCK_M, COLS])
-    else:
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = col0 + tl.arange(0, COLS)
-        ptrs = image_base + h * sh + offs_m[:, None] * sn + offs_d[None, :] * sd
-        return tl.load(ptrs, mask=(offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-
-
-@triton.jit
-def _query_descriptors(image_base, N, HQ, sh, sn, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                       BLOCK_M: tl.constexpr, TMA: tl.constexpr):
-    """TMA: the (N, Hq, HEAD_DIM) descriptors of one image's q or dO for each column chunk; else the base pointer."""
-    if TMA:
-        d0 = tl.make_tensor_descriptor(image_base, shape=[N, HQ, HEAD_DIM], strides=[sn, sh, 1],
-                                       block_shape=[BLOCK_M, 1, D0])
-        if D1 > 0:
-            d1 = tl.make_tensor_descriptor(image_base, shape=[N, HQ, HEAD_DIM], strides=[sn, sh, 1],
-                                           block_shape=[BLOCK_M, 1, D1])
-        else:
-            d1 = d0  # unused
-        return d0, d1
-    else:
-        return image_base, image_base
-
-
-@triton.jit
-def _query_chunks(desc0, desc1, image_base, h, start_m, N, sh, sn, sd, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-                  D1: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
-    """Both column chunks of one query-side tile (_query_rows); the second is the first again when D1 == 0."""
-    x0 = _query_rows(desc0, image_base, h, start_m, N, sh, sn, sd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
-    if D1 > 0:
-        x1 = _query_rows(desc1, image_base, h, start_m, N, sh, sn, sd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
-    else:
-        x1 = x0  # unused
-    return x0, x1
-
-
-@triton.jit
-def _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd,
-                 HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
-                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """S^T = K Q^T for one query tile of head h: (BLOCK_N, BLOCK_M) fp32, and the Q tile's chunks."""
-    q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA)
-    qkT = _dot(k0, tl.trans(q0), None, DOT_PRECISION, UPCAST_DOT)
-    if D1 > 0:
-        qkT = _dot(k1, tl.trans(q1), qkT, DOT_PRECISION, UPCAST_DOT)
-    return qkT, q0, q1
-
-
-@triton.jit
-def _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr, bh, h, start_m, N,
-                 sgh, sgn, sgd, qk_scale, HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                 BLOCK_M: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """From S^T of one query tile: P^T = exp2(S^T * qk_scale - lse), dV += P^T dO, dP^T = V dO^T and
-    dS^T = P^T * (dP^T - delta) (rounded to the input dtype for the dK MMA). Rows >= N get lse = +inf: P = 0."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    lse = tl.load(lse_ptr + bh * N + offs_m, mask=offs_m < N, other=float("inf"))
-    delta = tl.load(delta_ptr + bh * N + offs_m, mask=offs_m < N, other=0.0)
-    do0 = _query_rows(do_desc0, do_image, h, start_m, N, sgh, sgn, sgd, 0, HEAD_DIM, D0, BLOCK_M, TMA)
-    pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-    dv0 = _dot(pT.to(do0.dtype), do0, dv0, DOT_PRECISION, UPCAST_DOT)
-    dpT = _dot(v0, tl.trans(do0), None, DOT_PRECISION, UPCAST_DOT)
-    if D1 > 0:
-        do1 = _query_rows(do_desc1, do_image, h, start_m, N, sgh, sgn, sgd, D0, HEAD_DIM, D1, BLOCK_M, TMA)
-        dv1 = _dot(pT.to(do1.dtype), do1, dv1, DOT_PRECISION, UPCAST_DOT)
-        dpT = _dot(v1, tl.trans(do1), dpT, DOT_PRECISION, UPCAST_DOT)
-    dsT = (pT * (dpT - delta[None, :])).to(do0.dtype)
-    return dv0, dv1, dsT
-
-
-@triton.jit
-def _dkdv_keys(dsT, q0, q1, dk0, dk1, D1: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """dK += dS^T Q (the scale is applied at the end)."""
-    dk0 = _dot(dsT, q0, dk0, DOT_PRECISION, UPCAST_DOT)
-    if D1 > 0:
-        dk1 = _dot(dsT, q1, dk1, DOT_PRECISION, UPCAST_DOT)
-    return dk0, dk1
+    tl.store(delta_ptr + (b * HQ + h) * N + offs_m, delta, mask=offs_m < N)
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides (TMA: aligned q and dO heads, unit stride on D)
-    dk_ptr, dv_ptr,  # (B, Hkv, N, D) outputs, any strides
-    lse_ptr, delta_ptr,  # (B * Hq, N) fp32 from the forward and the delta kernel
-    N, HQ, HKV, GROUP, scale, qk_scale,
+    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides
+    dk_ptr, dv_ptr,  # (B, Hkv, N, D) outputs
+    lse_ptr, delta_ptr,  # (B * Hq, N) fp32, from the forward and the delta kernel
+    N, HQ, HKV, scale, qk_scale,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     BH_BUCKET,  # batch_bucket(B * Hkv): only an autotuning key
-    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TMA: tl.constexpr,  # load the q and dO tiles through tensor descriptors
-    OVERLAP: tl.constexpr,  # issue the next query tile's S^T before this tile's dK MMA (P^T under the MMA)
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Flat grid of cdiv(N, BLOCK_N) * B * Hkv programs: BLOCK_N keys of one (b, g), summed over the GROUP
-    query heads of g.
-
-    Transposed formulation (rows = keys): pT = exp2(k q^T * qk_scale - lse), dV += pT dO,
-    dpT = v dO^T, dsT = pT * (dpT - delta), dK += dsT q (times scale at the end). The loop visits the
-    (query head, query tile) pairs of the group; with OVERLAP the next pair's S^T is issued before this pair's dK
-    MMA, which is then in flight while the next P^T is computed (this pair's Q is loaded again for it).
-    """
+    """cdiv(N, BLOCK_N) * B * Hkv programs: BLOCK_N keys of one (b, g), summed over the GROUP query heads of g.
+    Transposed (rows = keys): P^T = 2^(K Q^T * qk_scale - lse), dV += P^T dO, dP^T = V dO^T,
+    dS^T = P^T * (dP^T - delta), dK += dS^T Q (times scale at the end)."""
     tile, b, g = program_coords(tl.cdiv(N, BLOCK_N), HKV)
     start_n = tile * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d0 = tl.arange(0, D0)
-    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
-    mask_n = offs_n < N
-    mask_d1 = offs_d1 < HEAD_DIM
+    k0, k1 = _load_chunks(k_ptr + b * skb + g * skh, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0,
+                          D1=D1, MASK_ROWS=True)
+    v0, v1 = _load_chunks(v_ptr + b * svb + g * svh, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0,
+                          D1=D1, MASK_ROWS=True)
+    dk0, dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32), tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    D1_COLS: tl.constexpr = D1 if D1 > 0 else 16  # a dummy chunk when D1 == 0, never used
+    dk1, dv1 = tl.zeros([BLOCK_N, D1_COLS], dtype=tl.float32), tl.zeros([BLOCK_N, D1_COLS], dtype=tl.float32)
 
-    k_rows = k_ptr + b * skb + g * skh + offs_n[:, None] * skn
-    v_rows = v_ptr + b * svb + g * svh + offs_n[:, None] * svn
-    k0 = tl.load(k_rows + offs_d0[None, :] * skd, mask=mask_n[:, None], other=0.0)  # (BLOCK_N, D0)
-    v0 = tl.load(v_rows + offs_d0[None, :] * svd, mask=mask_n[:, None], other=0.0)
-    dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
-    dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
-    if D1 > 0:
-        k1 = tl.load(k_rows + offs_d1[None, :] * skd, mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
-        v1 = tl.load(v_rows + offs_d1[None, :] * svd, mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
-        dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
-        dv1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
-    else:  # unused placeholders
-        k1 = k0
-        v1 = v0
-        dk1 = dk0
-        dv1 = dv0
-
-    q_image = q_ptr + b * sqb
-    do_image = do_ptr + b * sgb
-    q_desc0, q_desc1 = _query_descriptors(q_image, N, HQ, sqh, sqn, HEAD_DIM, D0, D1, BLOCK_M, TMA)
-    do_desc0, do_desc1 = _query_descriptors(do_image, N, HQ, sgh, sgn, HEAD_DIM, D0, D1, BLOCK_M, TMA)
     num_tiles = tl.cdiv(N, BLOCK_M)
-    steps = GROUP * num_tiles  # (query head of the group, query tile) pairs
-    if not OVERLAP:
-        for i in range(0, steps):
-            h = g * GROUP + i // num_tiles
-            start_m = (i % num_tiles) * BLOCK_M
-            qkT, q0, q1 = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM,
-                                       D0, D1, BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-            dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
-                                         b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
-                                         BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
-    else:
-        h = g * GROUP
-        qkT, q0, q1 = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, h, 0, N, sqh, sqn, sqd, HEAD_DIM, D0, D1,
-                                   BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-        for i in range(0, steps - 1):
-            h = g * GROUP + i // num_tiles
-            start_m = (i % num_tiles) * BLOCK_M
-            dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
-                                         b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
-                                         BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-            next_h = g * GROUP + (i + 1) // num_tiles
-            qkT, _, _ = _dkdv_scores(k0, k1, q_desc0, q_desc1, q_image, next_h, ((i + 1) % num_tiles) * BLOCK_M,
-                                     N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-            q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1,
-                                   BLOCK_M, TMA)
-            dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
-        h = g * GROUP + (steps - 1) // num_tiles
-        start_m = ((steps - 1) % num_tiles) * BLOCK_M
-        dv0, dv1, dsT = _dkdv_values(qkT, v0, v1, dv0, dv1, do_desc0, do_desc1, do_image, lse_ptr, delta_ptr,
-                                     b * HQ + h, h, start_m, N, sgh, sgn, sgd, qk_scale, HEAD_DIM, D0, D1,
-                                     BLOCK_M, TMA, DOT_PRECISION, UPCAST_DOT)
-        q0, q1 = _query_chunks(q_desc0, q_desc1, q_image, h, start_m, N, sqh, sqn, sqd, HEAD_DIM, D0, D1, BLOCK_M,
-                               TMA)
-        dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, DOT_PRECISION, UPCAST_DOT)
+    for step in range(0, GROUP * num_tiles):  # (query head of group g, query tile): one loop, one pipeline
+        h = g * GROUP + step // num_tiles
+        start_m = (step % num_tiles) * BLOCK_M
+        q0, q1 = _load_chunks(q_ptr + b * sqb + h * sqh, start_m, N, sqn, sqd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, D0=D0,
+                              D1=D1, MASK_ROWS=True)
+        do0, do1 = _load_chunks(do_ptr + b * sgb + h * sgh, start_m, N, sgn, sgd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                                D0=D0, D1=D1, MASK_ROWS=True)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=float("inf"))  # rows >= N: P = 0
+        delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=0.0)
+        qk_t = _dot_t(k0, k1, q0, q1, D1=D1, PRECISION=PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        dv0 = _dot(p_t.to(do0.dtype), do0, dv0, PRECISION=PRECISION)
+        dp_t = _dot(v0, tl.trans(do0), None, PRECISION=PRECISION)
+        if D1 > 0:
+            dv1 = _dot(p_t.to(do1.dtype), do1, dv1, PRECISION=PRECISION)
+            dp_t = _dot(v1, tl.trans(do1), dp_t, PRECISION=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q0.dtype)
+        dk0 = _dot(ds_t, q0, dk0, PRECISION=PRECISION)
+        if D1 > 0:
+            dk1 = _dot(ds_t, q1, dk1, PRECISION=PRECISION)
 
-    dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
-    dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
-    dk_dtype = dk_ptr.dtype.element_ty
-    dv_dtype = dv_ptr.dtype.element_ty
-    tl.store(dk_rows + offs_d0[None, :] * sdkd, (dk0 * scale).to(dk_dtype), mask=mask_n[:, None])
-    tl.store(dv_rows + offs_d0[None, :] * sdvd, dv0.to(dv_dtype), mask=mask_n[:, None])
-    if D1 > 0:
-        tl.store(dk_rows + offs_d1[None, :] * sdkd, (dk1 * scale).to(dk_dtype),
-                 mask=mask_n[:, None] & mask_d1[None, :])
-        tl.store(dv_rows + offs_d1[None, :] * sdvd, dv1.to(dv_dtype), mask=mask_n[:, None] & mask_d1[None, :])
+    _store_chunks(dk_ptr + b * sdkb + g * sdkh, start_n, N, sdkn, sdkd, dk0 * scale, dk1 * scale, ROWS=BLOCK_N,
+                  HEAD_DIM=HEAD_DIM, D0=D0, D1=D1)
+    _store_chunks(dv_ptr + b * sdvb + g * sdvh, start_n, N, sdvn, sdvd, dv0, dv1, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                  D0=D0, D1=D1)
 
 
 @triton.jit
-def _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, start_n, N,
-               skn, skd, svn, svd,
-               HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """S = Q K^T and dP = dO V^T for one tile of keys: (BLOCK_M, BLOCK_N) fp32 each."""
-    k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
-    v0 = _key_rows(v_desc0, v_base, b, g, start_n, N, svn, svd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
-    s = _dot(q0, tl.trans(k0), None, DOT_PRECISION, UPCAST_DOT)
-    dp = _dot(do0, tl.trans(v0), None, DOT_PRECISION, UPCAST_DOT)
-    if D1 > 0:
-        k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        v1 = _key_rows(v_desc1, v_base, b, g, start_n, N, svn, svd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        s = _dot(q1, tl.trans(k1), s, DOT_PRECISION, UPCAST_DOT)
-        dp = _dot(do1, tl.trans(v1), dp, DOT_PRECISION, UPCAST_DOT)
-    return s, dp
-
-
-@triton.jit
-def _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr):
-    """dS = P * (dP - delta), P = exp2(S * qk_scale - lse) recomputed from the forward's log-sum-exp; keys >= N
-    get P = 0 with MASK_N."""
+def _dq_key_tile(q0, q1, do0, do1, dq0, dq1, lse, delta, k_head, v_head, start_n, N, skn, skd, svn, svd, qk_scale,
+                 HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ += dS K for keys start_n .. start_n + BLOCK_N, dS = P * (dP - delta), P recomputed from lse."""
+    k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
+                          MASK_ROWS=MASK_N)
+    v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
+                          MASK_ROWS=MASK_N)
+    s = _dot_t(q0, q1, k0, k1, D1=D1, PRECISION=PRECISION)
+    dp = _dot_t(do0, do1, v0, v1, D1=D1, PRECISION=PRECISION)
     p = tl.math.exp2(s * qk_scale - lse[:, None])
     if MASK_N:
         p = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], p, 0.0)
-    return p * (dp - delta[:, None])
-
-
-@triton.jit
-def _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd,
-                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """dQ += dS K for one tile of keys (dS rounded to the input dtype for the MMA)."""
-    k0 = _key_rows(k_desc0, k_base, b, g, start_n, N, skn, skd, 0, HEAD_DIM, D0, BLOCK_N, MASK_N, TMA)
-    ds = ds.to(k0.dtype)
-    dq0 = _dot(ds, k0, dq0, DOT_PRECISION, UPCAST_DOT)
+    ds = (p * (dp - delta[:, None])).to(k0.dtype)
+    dq0 = _dot(ds, k0, dq0, PRECISION=PRECISION)
     if D1 > 0:
-        k1 = _key_rows(k_desc1, k_base, b, g, start_n, N, skn, skd, D0, HEAD_DIM, D1, BLOCK_N, MASK_N, TMA)
-        dq1 = _dot(ds, k1, dq1, DOT_PRECISION, UPCAST_DOT)
+        dq1 = _dot(ds, k1, dq1, PRECISION=PRECISION)
     return dq0, dq1
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides (TMA: aligned K/V heads, unit stride on D)
-    dq_ptr,  # (B, Hq, N, D) output, any strides
+    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs, any strides
+    dq_ptr,  # (B, Hq, N, D) output
     lse_ptr, delta_ptr,  # (B * Hq, N) fp32
-    N, HQ, GROUP, scale, qk_scale,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
-    sdqb, sdqh, sdqn, sdqd,
-    BH,  # B * Hq (the batch size is BH // HQ)
-    BH_BUCKET,  # batch_bucket(BH): only an autotuning key
-    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TMA: tl.constexpr,  # load K/V tiles through tensor descriptors
-    OVERLAP: tl.constexpr,  # issue the next tile's S and dP before this tile's dQ MMA (dS under the MMA)
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    N, HQ, scale, qk_scale,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd, sdqb, sdqh, sdqn, sdqd,
+    BH_BUCKET,  # batch_bucket(B * Hq): only an autotuning key
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Flat grid of cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of (P * (dP - delta)) K.
-    The loop has the forward's two orders: plain (S, dP, dS, dQ += dS K for each tile) and OVERLAP, where tile
-    j + 1's S and dP are issued before tile j's dQ MMA, which is then in flight while dS of tile j + 1 is computed
-    (tile j's K is loaded again for it, from L2, rather than kept alive across the iteration)."""
+    """cdiv(N, BLOCK_M) * B * Hq programs: dQ = scale * sum over key tiles of dS K."""
     tile, b, h = program_coords(tl.cdiv(N, BLOCK_M), HQ)
-    start_m = tile * BLOCK_M
-    bh = b * HQ + h
     g = h // GROUP
+    start_m = tile * BLOCK_M
+    q0, q1 = _load_chunks(q_ptr + b * sqb + h * sqh, start_m, N, sqn, sqd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM, D0=D0,
+                          D1=D1, MASK_ROWS=True)
+    do0, do1 = _load_chunks(do_ptr + b * sgb + h * sgh, start_m, N, sgn, sgd, ROWS=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                            D0=D0, D1=D1, MASK_ROWS=True)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d0 = tl.arange(0, D0)
-    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
-    mask_m = offs_m < N
-    mask_d1 = offs_d1 < HEAD_DIM
-
-    q_rows = q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqn
-    do_rows = do_ptr + b * sgb + h * sgh + offs_m[:, None] * sgn
-    q0 = tl.load(q_rows + offs_d0[None, :] * sqd, mask=mask_m[:, None], other=0.0)
-    do0 = tl.load(do_rows + offs_d0[None, :] * sgd, mask=mask_m[:, None], other=0.0)
+    lse = tl.load(lse_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=float("inf"))
+    delta = tl.load(delta_ptr + (b * HQ + h) * N + offs_m, mask=offs_m < N, other=0.0)
     dq0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
-    if D1 > 0:
-        q1 = tl.load(q_rows + offs_d1[None, :] * sqd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-        do1 = tl.load(do_rows + offs_d1[None, :] * sgd, mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-        dq1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
-    else:  # unused placeholders
-        q1 = q0
-        do1 = do0
-        dq1 = dq0
-    lse = tl.load(lse_ptr + bh * N + offs_m, mask=mask_m, other=float("inf"))
-    delta = tl.load(delta_ptr + bh * N + offs_m, mask=mask_m, other=0.0)
+    dq1 = tl.zeros([BLOCK_M, D1 if D1 > 0 else 16], dtype=tl.float32)
+    k_head = k_ptr + b * skb + g * skh
+    v_head = v_ptr + b * svb + g * svh
 
-    k_base = k_ptr + b * skb + g * skh
-    v_base = v_ptr + b * svb + g * svh
-    k_desc0, k_desc1, v_desc0, v_desc1 = _kv_descriptors(k_ptr, v_ptr, BH // HQ, N, HQ // GROUP, skb, skh, skn,
-                                                         svb, svh, svn, HEAD_DIM, D0, D1, BLOCK_N, TMA)
     n_full = (N // BLOCK_N) * BLOCK_N
-    if not OVERLAP:
-        for start_n in range(0, n_full, BLOCK_N):
-            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, start_n, N,
-                               skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-            ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
-            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0,
-                                      D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-    elif n_full > 0:
-        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, 0, N,
-                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-        for start_n in range(0, n_full - BLOCK_N, BLOCK_N):
-            ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, start_n, N, BLOCK_N, False)
-            s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g,
-                               start_n + BLOCK_N, N, skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, False, TMA,
-                               DOT_PRECISION, UPCAST_DOT)
-            dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, start_n, N, skn, skd, HEAD_DIM, D0,
-                                      D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
-        ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full - BLOCK_N, N, BLOCK_N, False)
-        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, n_full - BLOCK_N, N, skn, skd, HEAD_DIM,
-                                  D0, D1, BLOCK_N, False, TMA, DOT_PRECISION, UPCAST_DOT)
+    for start_n in range(0, n_full, BLOCK_N):
+        dq0, dq1 = _dq_key_tile(q0, q1, do0, do1, dq0, dq1, lse, delta, k_head, v_head, start_n, N, skn, skd, svn,
+                                svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N, MASK_N=False,
+                                PRECISION=PRECISION)
     if n_full < N:
-        s, dp = _dq_scores(q0, q1, do0, do1, k_desc0, k_desc1, v_desc0, v_desc1, k_base, v_base, b, g, n_full, N,
-                           skn, skd, svn, svd, HEAD_DIM, D0, D1, BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
-        ds = _dq_grad_scores(s, dp, lse, delta, qk_scale, n_full, N, BLOCK_N, True)
-        dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, n_full, N, skn, skd, HEAD_DIM, D0, D1,
-                                  BLOCK_N, True, TMA, DOT_PRECISION, UPCAST_DOT)
-
-    dq_rows = dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqn
-    dq_dtype = dq_ptr.dtype.element_ty
-    tl.store(dq_rows + offs_d0[None, :] * sdqd, (dq0 * scale).to(dq_dtype), mask=mask_m[:, None])
-    if D1 > 0:
-        tl.store(dq_rows + offs_d1[None, :] * sdqd, (dq1 * scale).to(dq_dtype),
-                 mask=mask_m[:, None] & mask_d1[None, :])
+        dq0, dq1 = _dq_key_tile(q0, q1, do0, do1, dq0, dq1, lse, delta, k_head, v_head, n_full, N, skn, skd, svn,
+                                svd, qk_scale, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, BLOCK_N=BLOCK_N, MASK_N=True,
+                                PRECISION=PRECISION)
+    _store_chunks(dq_ptr + b * sdqb + h * sdqh, start_m, N, sdqn, sdqd, dq0 * scale, dq1 * scale, ROWS=BLOCK_M,
+                  HEAD_DIM=HEAD_DIM, D0=D0, D1=D1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Block-size choice: autotuned on CUDA, fixed when interpreting
-# ----------------------------------------------------------------------------------------------------
+# ---- Block sizes: autotuned on CUDA, fixed when interpreting -------------------------------------------------
 
-
-def _configs(shapes, maxnreg=None, **constexprs):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **constexprs}, num_warps=w, num_stages=s, maxnreg=maxnreg)
-            for m, n, w, s in shapes]
-
-
-def pack_heads(block_m: int, pack: bool, group: int) -> int:
-    """Query heads stacked in one forward tile (GQA packing): GROUP when packing is asked for and GROUP > 1
-    divides the tile's rows, else 1. The one rule for the launch grid and the kernel's PACK."""
-    return group if pack and group > 1 and block_m % group == 0 else 1
-
-
-# The tensors each kernel streams through TMA descriptors when its TMA flag is on (its argument names).
-_TMA_OPERANDS = {"fwd": ("k_ptr", "v_ptr"), "dq": ("k_ptr", "v_ptr"), "dkdv": ("q_ptr", "do_ptr")}
-
-
-def _prune_packing(configs, named_args, **kwargs):
-    """Autotuning: drop the packed forward configurations that cannot pack (MHA, or GROUP not dividing BLOCK_M);
-    their unpacked twins stay. (GROUP is in the autotuning key, so the pruning is redone for each GROUP.)"""
-    group = kwargs.get("GROUP", named_args.get("GROUP"))
-    return [c for c in configs if not c.kwargs.get("PACK") or pack_heads(c.kwargs["BLOCK_M"], True, group) > 1]
-
-
-def tma_usable(*tensors: torch.Tensor) -> bool:
-    """True when K/V tiles can be loaded through TMA tensor descriptors: a Triton with `make_tensor_descriptor`
-    (3.4+), a GPU with the TMA engine (Hopper, compute capability 9.0; the CPU interpreter emulates it), and
-    tensors whose heads start on 16-byte boundaries with a unit stride on D (what the copy engine requires) and no
-    broadcast (zero) strides."""
-    if not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    if compiled_for_gpu(tensors[0]) and not _has_tma_engine(tensors[0]):
-        return False
-    return all(heads_aligned(t) and t.data_ptr() % 16 == 0 and min(t.stride()[:3]) > 0 for t in tensors)
-
-
-def _has_tma_engine(t: torch.Tensor) -> bool:
-    """An NVIDIA Hopper GPU, compute capability 9.0 exactly: the TMA configurations are compiled and checked for
-    sm_90a only. ROCm reports its MI300 as 9.4 through the same call, and Blackwell's 10.x has not been checked.
-    (bench/inspect_kernels.py overrides this: it compiles for sm_90a.)"""
-    return torch.version.hip is None and tuple(torch.cuda.get_device_capability(t.device)) == (9, 0)
-
-
-def _ensure_allocator():
-    """Descriptors made inside a kernel (tl.make_tensor_descriptor) live in a per-launch scratch buffer that Triton
-    asks an allocator for. Install one backed by torch's caching allocator, unless the user installed their own."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch)
-
-
-# The device of the launch in progress in this thread (_launch sets it): Triton's allocator is told no device.
-_SCRATCH = threading.local()
-
-
-def _torch_scratch(size: int, alignment: int, stream):
-    """Scratch on the launch's own device (a bare "cuda" would be the current device, cuda:0 unless set)."""
-    device = getattr(_SCRATCH, "device", None) or torch.device("cuda", torch.cuda.current_device())
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
-# (BLOCK_M, BLOCK_N, warps, stages), chosen for Hopper: 128-row tiles with 8 warps (two warpgroups of
-# wgmma) when the grid is large, 64-row tiles to fill the 132 SMs at batch 1. Every configuration the
-# autotuner may pick is compiled for sm_90a and read back by bench/inspect_kernels.py (no GPU needed; table
-# in bench/results/inspect_kernels_sm90a.json): all use wgmma and cp.async, none spills at D = 64, 80 and
-# 76. Pruned as unable to win: forward 128 x 32 with 4 warps (a 128-row tile on one warpgroup, 184
-# registers, and N = 32 wgmmas), and the 4-warp dQ tile with BLOCK_N = 32.
-# GQA packing (PACK; the GROUP query heads of a K/V head share a tile's rows, so each K/V tile is loaded once
-# per group instead of once per head): K/V bytes read per program are the same as without packing, so the
-# traffic falls with the rows per tile. The packed 256-row tile (128 tokens x 2 heads at GQA 2) halves the K/V
-# reads of the 128-row tiles, with 214-246 registers and no spills at D = 64/80/76 (an unpacked 256-row tile
-# hits 255 registers and local memory at D = 80, and pads N = 3081 to 3328 rows instead of 3200). Packed
-# twins of the smaller tiles only shorten the ragged last tile. The autotuner times packed and unpacked
-# configurations alike; packed ones are dropped for MHA blocks (_prune_packing).
-# OVERLAP (the softmax under the P V wgmma) keeps a second score tile alive: spill-free at 128 x 64 (138-191
-# registers) and with TMA at 128 x 128 (226-236), but the 256-row packed tiles and the cp.async 128 x 128 /
-# 64 x 128 tiles spill with it, so those run in the plain order. TMA configurations (K/V through descriptors) are
-# left out where the K/V heads are not 16-byte aligned or the GPU has no TMA engine (_autotuned).
-# r128 (maxnreg=128): the plain 128 x 64 tile compiles into 122-128 registers without spills at D = 64/80/76, so
-# two 8-warp programs fit an SM (65,536 registers) and each one's MMAs overlap the other's softmax, the way
-# FlashAttention-3 pairs two warpgroups (column cta/sm of bench/inspect_kernels.py). The OVERLAP tiles spill
-# under that cap (4-88 bytes): they run one program per SM, their overlap inside the program.
-# Backward: OVERLAP (the next tile's scores issued before this tile's dQ or dK MMA) and TMA (dQ streams K/V, dK/dV
-# streams q/dO) where they compile without spills at D = 64/80/76: dK/dV with both spills at 5b (76), and its
-# 64 x 128 overlapped tile spills everywhere, so dK/dV has them apart; 32-row dK/dV tiles with OVERLAP (201-206
-# registers), dQ 128 x 64 with OVERLAP (237 registers) and with TMA (209-226).
-
-
-def _fwd_configs(shapes, pack=False, tma=False, overlap=False, poly_exp2=False, persistent=False, maxnreg=None):
-    return _configs(shapes, maxnreg, PACK=pack, TMA=tma, OVERLAP=overlap, POLY_EXP2=poly_exp2, PERSISTENT=persistent)
-
-
-_FWD_CONFIGS = (
-    _fwd_configs([(128, 64, 8, 3), (64, 64, 4, 4)], overlap=True)
-    + _fwd_configs([(128, 64, 8, 3), (128, 128, 8, 3)])
-    + _fwd_configs([(128, 64, 8, 3)], maxnreg=128)
-    + _fwd_configs([(128, 64, 8, 3)], pack=True, overlap=True)
-    + _fwd_configs([(256, 64, 8, 2)], pack=True)
-    + _fwd_configs([(128, 64, 8, 3), (128, 128, 8, 2)], tma=True, overlap=True)
-    + _fwd_configs([(128, 64, 8, 3)], tma=True, overlap=True, persistent=True)
-    + _fwd_configs([(256, 64, 8, 2)], pack=True, tma=True)
-    + _fwd_configs([(128, 64, 8, 3)], overlap=True, poly_exp2=True)
-    + _fwd_configs([(128, 64, 8, 3)], tma=True, overlap=True, poly_exp2=True))
-
-
-def _bwd_configs(shapes, tma=False, overlap=False):
-    return _configs(shapes, TMA=tma, OVERLAP=overlap)
-
-
-_DKDV_CONFIGS = (_bwd_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)])
-                 + _bwd_configs([(32, 128, 8, 3)], overlap=True)
-                 + _bwd_configs([(32, 128, 8, 3), (64, 128, 8, 3)], tma=True))
-_DQ_CONFIGS = (_bwd_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)])
-               + _bwd_configs([(128, 64, 8, 3), (64, 64, 4, 3)], overlap=True)
-               + _bwd_configs([(128, 64, 8, 3)], tma=True, overlap=True))
-# fp32 operands (3xTF32 dots) need twice the shared memory and many more registers: smaller tiles, two
-# stages. (ptxas, sm_90a: these still spill a little at D = 80; fp32 is the parity path, bf16 the fast one.)
-_FWD_CONFIGS_FP32 = _fwd_configs([(128, 32, 8, 2), (64, 32, 4, 2)]) + _fwd_configs([(128, 32, 8, 2)], pack=True)
-_DKDV_CONFIGS_FP32 = _bwd_configs([(16, 64, 4, 2), (32, 64, 8, 2)])
-_DQ_CONFIGS_FP32 = _bwd_configs([(64, 16, 4, 2), (64, 32, 8, 2)])
-# GROUP in the key: an MHA and a GQA block of one model have the same N, B * Hq and D but not the same best
-# tile (nor the same K/V traffic). B * H enters bucketed (batch_bucket): a new batch size in the same bucket
-# (the last, smaller batch of a run) reuses the tuned choice instead of timing every configuration again.
-_KEY = ["N", "BH_BUCKET", "HEAD_DIM", "GROUP"]
-
-
-def batch_bucket(rows: int) -> int:
-    """B * H in the autotuning key: below the 132 SMs of an H100/H200 (a grid too small to fill the GPU, where
-    64-row tiles win), or the power of 4 at or above it (132+, 528+, 2112+, ...)."""
-    if rows < 132:
-        return 1
-    bucket = 132
-    while bucket * 4 <= rows:
-        bucket *= 4
-    return bucket
-
-
-def _autotuned(kernel, configs, tma: bool):
-    """The autotuned launcher over `configs`, or over those without TMA when `tma` is False. Two launchers per
-    kernel, chosen at every launch by tma_usable: whether the tensors can be read through descriptors is not in
-    the autotuning key, so one launcher's cached choice (a TMA configuration, tuned on aligned tensors) would be
-    reused for tensors that TMA cannot read (a view 4 bytes off)."""
-    configs = [c for c in configs if tma or not c.kwargs.get("TMA")]
-    return triton.autotune(configs, key=_KEY, prune_configs_by={"early_config_prune": _prune_packing})(kernel)
-
-
-_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+# Chosen for Hopper: 128-row tiles on 8 warps (two wgmma warpgroups) for large grids, 64-row tiles to fill the SMs
+# at batch 1 (a tile too big for a GPU's shared memory is skipped by the autotuner). fp32: smaller, two stages.
 _CONFIGS = {  # (kernel, operands are fp32) -> configurations
-    ("fwd", False): _FWD_CONFIGS, ("dkdv", False): _DKDV_CONFIGS, ("dq", False): _DQ_CONFIGS,
-    ("fwd", True): _FWD_CONFIGS_FP32, ("dkdv", True): _DKDV_CONFIGS_FP32, ("dq", True): _DQ_CONFIGS_FP32,
+    ("fwd", False): tile_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]),
+    ("dkdv", False): tile_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]),
+    ("dq", False): tile_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)]),
+    ("fwd", True): tile_configs([(128, 32, 8, 2), (64, 32, 4, 2)]),
+    ("dkdv", True): tile_configs([(16, 64, 4, 2), (32, 64, 8, 2)]),
+    ("dq", True): tile_configs([(64, 16, 4, 2), (64, 32, 8, 2)]),
 }
-_TUNED = {  # (kernel, operands are fp32, TMA usable) -> autotuned launcher
-    (name, fp32, tma): _autotuned(_KERNELS[name], configs, tma)
-    for (name, fp32), configs in _CONFIGS.items() for tma in (False, True)
-}
-
-def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
-    """A configuration's name in benchmarks and inspection tables: BLOCK_M x BLOCK_N, warps, stages, then the
-    flags: p GQA-packed tile, t TMA descriptors, o MMA overlapped with the exp2s (OVERLAP), x half of the exp2s on
-    the FMA units (POLY_EXP2), g persistent grid (grid-stride loop), rN registers capped at N per thread.
-    e.g. 128x64w8s3o, 128x64w8s3r128."""
-    c = constexprs
-    flags = "".join(flag for flag, key in (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"),
-                                           ("g", "PERSISTENT")) if c.get(key))
-    cap = f"r{maxnreg}" if maxnreg else ""
-    return f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}{cap}"
+# GROUP in the key: an MHA and a GQA block of one model share N, B * Hq and D but not the best tile. B * H enters
+# in buckets, so that the last, smaller batch of a run reuses the tuned choice instead of timing again.
+AUTOTUNE_KEY = ["N", "BH_BUCKET", "HEAD_DIM", "GROUP"]
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+_TUNED = {(name, fp32): triton.autotune(configs, key=AUTOTUNE_KEY)(_KERNELS[name])
+          for (name, fp32), configs in _CONFIGS.items()}
+drop_excluded(_TUNED, excluded_configs())
 
 
-def tuned_config(name: str, dtype: torch.dtype, tma: bool = True) -> str | None:
-    """The configuration the autotuner ran last for `name` ("fwd", "dkdv", "dq") at this dtype, for tensors TMA
-    can read (`tma`) or not; None before any autotuned launch."""
-    config = getattr(_TUNED[name, dtype == torch.float32, tma], "best_config", None)
-    if config is None:
-        return None
-    return config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
-
-
-def excluded_configs() -> set[str]:
-    """SAPIENS2_TRITON_EXCLUDE=LABEL,LABEL (config_label names, e.g. 128x64w8s3to): configurations the autotuner
-    never tries, read once at import. The way around one that faults on a GPU (a fault loses the CUDA context, and
-    autotuning would meet it again in every process); bench/gpu_session.sh sets it for forced variants that crashed."""
-    return {label.strip() for label in os.environ.get("SAPIENS2_TRITON_EXCLUDE", "").split(",") if label.strip()}
-
-
-def _drop_excluded(tuned: dict, excluded: set[str]):
-    for (name, fp32, tma), launcher in tuned.items():
-        kept = [c for c in launcher.configs
-                if config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) not in excluded]
-        if not kept:
-            raise ValueError(f"SAPIENS2_TRITON_EXCLUDE={','.join(sorted(excluded))} leaves no {name} configuration "
-                             f"({'fp32' if fp32 else 'bf16/fp16'}, {'with' if tma else 'without'} TMA): keep one")
-        launcher.configs = kept
-
-
-_drop_excluded(_TUNED, excluded_configs())
-
-
-# Interpreter (CPU) tiles: small, so that the test shapes run several tiles plus a ragged tail.
-INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
-# When set (the CUDA tests set it), these tiles replace autotuning everywhere: a few compiles instead of one
-# per configuration, shape and dtype.
-PINNED_BLOCKS: dict | None = None
+INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}  # CPU: the tests' shapes run several tiles and a ragged tail
+PINNED_BLOCKS: dict | None = None  # set by the CUDA tests: these tiles, not autotuning, in both attention files
+_BLOCK_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg"}
 
 
 def compiled_for_gpu(t: torch.Tensor) -> bool:
-    """True when the kernels are compiled for the GPU (CUDA tensors); False in the CPU interpreter. The one
-    place that ties the launch choices below to the device (bench/inspect_kernels.py overrides it to compile
-    the CUDA configurations ahead of time, with no GPU)."""
+    """CUDA tensors: compiled kernels; else the CPU interpreter (bench/inspect_kernels.py overrides this)."""
     return t.is_cuda
 
 
-# The variant flags a kernel may take (the constexprs it declares), and their values when the tiles are fixed and
-# the flag is not given.
-_FLAG_DEFAULTS = {"PACK": False, "TMA": False, "OVERLAP": True, "POLY_EXP2": False, "PERSISTENT": False}
-
-
-def _launch(kernel, name, grid, args, consts, blocks, group=None):
-    """Run the autotuned `name` kernel on CUDA unless `blocks` (or PINNED_BLOCKS) fixes the tiles; the plain
-    kernel otherwise. `grid` maps the tile constexprs (BLOCK_M, BLOCK_N, PACK) to the launch grid. With fixed tiles
-    the variant flags the kernel declares come from `blocks` (_FLAG_DEFAULTS otherwise): `group` (the forward's
-    GROUP) resolves PACK with pack_heads, TMA must be usable for the tensors the kernel streams."""
+def _launch(kernel, name, grid, args, consts, blocks):
+    """The autotuned `name` kernel on CUDA, unless `blocks` (or PINNED_BLOCKS) fixes the tiles; grid(tiles)."""
     blocks = blocks if blocks is not None else PINNED_BLOCKS
-    streamed = [args[kernel.arg_names.index(n)] for n in _TMA_OPERANDS[name]]
-    tma = tma_usable(*streamed)
-    if tma and compiled_for_gpu(args[0]):
-        _ensure_allocator()
-        _SCRATCH.device = args[0].device
     if blocks is None and compiled_for_gpu(args[0]):
-        _TUNED[name, args[0].dtype == torch.float32, tma][grid](*args, **consts)
+        _TUNED[name, args[0].dtype == torch.float32][grid](*args, **consts)
         return
     blocks = blocks or INTERPRET_BLOCKS
+    variants = sorted(key for key, value in blocks.items() if key not in _BLOCK_KEYS and value)
+    if variants:
+        raise ValueError(f"blocks {variants}: Hopper variants, which kernels/attention_triton_hopper.py runs")
     tiles = {"BLOCK_M": blocks["BLOCK_M"], "BLOCK_N": blocks["BLOCK_N"]}
-    tiles.update({flag: bool(blocks.get(flag, default)) for flag, default in _FLAG_DEFAULTS.items()
-                  if flag in kernel.arg_names})
-    if tiles.get("PACK"):
-        tiles["PACK"] = pack_heads(tiles["BLOCK_M"], True, group) > 1
-    if tiles.get("POLY_EXP2") and args[0].dtype == torch.float32:
-        raise ValueError("blocks['POLY_EXP2'] is for bf16/fp16 inputs (its exp2 is 7.5e-5 off; fp32 keeps MUFU)")
-    if tiles.get("TMA") and not tma:
-        raise ValueError(f"blocks['TMA'] is set but {' and '.join(_TMA_OPERANDS[name])} cannot be read through TMA "
-                         "descriptors here (needs triton >= 3.4, an NVIDIA sm_90 GPU, 16-byte-aligned heads)")
-    options = {"num_warps": blocks.get("num_warps", 4), "num_stages": blocks.get("num_stages", 2)}
-    if blocks.get("maxnreg"):
-        options["maxnreg"] = blocks["maxnreg"]
-    kernel[grid(tiles)](*args, **consts, **tiles, **options)
+    kernel[grid(tiles)](*args, **consts, **tiles, **launch_options(blocks))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Launchers
-# ----------------------------------------------------------------------------------------------------
+# ---- Launchers and autograd ----------------------------------------------------------------------------------
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _head_dim_chunks(head_dim: int):
-    """D = D0 + (D - D0) with D0 the largest power of two <= D; D1 = the padded second chunk (0: none)."""
+def head_dim_chunks(head_dim: int) -> tuple[int, int]:
+    """(D0, D1): D0 the largest power of two <= D, D1 the rest padded to a power of two >= 16 (0: none)."""
     d0 = 1 << (head_dim.bit_length() - 1)
     rest = head_dim - d0
-    d1 = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
-    return d0, d1
+    return d0, (0 if rest == 0 else max(16, triton.next_power_of_2(rest)))
 
 
-def _dot_precision(q: torch.Tensor) -> str:
-    """fp32 on CUDA: "tf32x3" (three tf32 MMAs, about fp32 accuracy; an "ieee" fp32 dot has no tensor-core
-    path and spills registers at these tile sizes), or plain "tf32" when the user allowed tf32 matmuls.
-    Interpreter: "ieee" (exact)."""
-    if q.dtype != torch.float32:
-        return "tf32"  # ignored for fp16/bf16 operands
+def dot_precision(q: torch.Tensor) -> str:
+    """The kernels' PRECISION: "ieee" (exact) when interpreting; on CUDA "tf32" for bf16/fp16 (ignored: their dots
+    are native) and fp32 when torch allows tf32 matmuls, else "tf32x3" (about fp32 accuracy on the tensor cores)."""
     if not compiled_for_gpu(q):
         return "ieee"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
-
-
-def _check(q, k, v):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (B, H, N, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, HQ, N, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (N, D):
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B={B}, Hkv, N={N}, D={D})")
-    if HQ % k.shape[1]:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({k.shape[1]})")
-    if not 16 <= D <= 256:
-        raise ValueError(f"head dim {D} is outside the supported [16, 256]")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        raise TypeError(f"q, k, v must share a dtype among {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-
-
-def _empty_bnhd(shape, dtype, device) -> torch.Tensor:
-    """An uninitialized (B, H, N, D) tensor whose memory is (B, N, H, D)-contiguous."""
-    B, H, N, D = shape
-    return torch.empty(B, N, H, D, dtype=dtype, device=device).transpose(1, 2)
-
-
-def _check_out(out, *likes):
-    for o, like in zip(out, likes):
-        if o.shape != like.shape or o.dtype != like.dtype or o.device != like.device:
-            raise ValueError(f"out tensor {tuple(o.shape)} {o.dtype} does not match {tuple(like.shape)} {like.dtype}")
-    return out
-
-
-def _fwd_grid(meta, N, B, HQ, group, num_sms):
-    """cdiv(N, tokens per tile) * B * (Hq / heads per tile) programs (a packed tile holds `group` heads); with
-    PERSISTENT at most one per SM, each walking the tiles."""
-    heads = group if meta.get("PACK") else 1
-    grid = flat_grid(triton.cdiv(N, meta["BLOCK_M"] // heads), B * HQ // heads)
-    return (min(grid[0], num_sms),) if meta.get("PERSISTENT") else grid
-
-
-def num_sms(t: torch.Tensor) -> int:
-    """The persistent grid's size: the GPU's SM count; 3 in the interpreter, so that the tests' programs each walk
-    several tiles (bench/inspect_kernels.py sets 132, an H100/H200)."""
-    return torch.cuda.get_device_properties(t.device).multi_processor_count if compiled_for_gpu(t) else 3
+    if q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "tf32x3"
 
 
 @launched_on_device
 def attention_fwd(q, k, v, scale: float | None = None, blocks: dict | None = None, out=None):
-    """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new, (B, N, Hq, D)-contiguous
-    viewed as (B, Hq, N, D), or `out` (any strides). `blocks` fixes BLOCK_M/BLOCK_N (and num_warps,
-    num_stages) instead of autotuning."""
-    _check(q, k, v)
+    """The forward launch (no autograd): (o, lse), lse (B * Hq, N) fp32. o is new and (B, N, Hq, D)-contiguous,
+    or `out`. `blocks` fixes BLOCK_M / BLOCK_N (and num_warps, num_stages) instead of autotuning."""
+    check_attention_inputs(q, k, v)
     q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # 5b: a copy of the unaligned ones
     B, HQ, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    D0, D1 = _head_dim_chunks(D)
-    o = _check_out((out,), q)[0] if out is not None else _empty_bnhd(q.shape, q.dtype, q.device)
+    D0, D1 = head_dim_chunks(D)
+    o = check_out((out,), q)[0] if out is not None else empty_bnhd(q)
     lse = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
-    group = HQ // k.shape[1]
-    args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(), B * HQ,
-            batch_bucket(B * HQ))
-    consts = dict(GROUP=group, HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=_dot_precision(q),
-                  UPCAST_DOT=not compiled_for_gpu(q))
     check_image_elements(q, k, v, o)
-    sms = num_sms(q)
-    _launch(_attn_fwd_kernel, "fwd", lambda meta: _fwd_grid(meta, N, B, HQ, group, sms), args, consts, blocks, group)
+    args = (q, k, v, o, lse, N, HQ, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            batch_bucket(B * HQ))
+    consts = dict(GROUP=HQ // k.shape[1], HEAD_DIM=D, D0=D0, D1=D1, PRECISION=dot_precision(q))
+    _launch(_attn_fwd_kernel, "fwd", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args, consts,
+            blocks)
     return o, lse
+
+
+def attention_delta(o, do) -> torch.Tensor:
+    """delta = rowsum(dO * O), (B * Hq, N) fp32: the backward's correction term."""
+    B, HQ, N, D = o.shape
+    delta = torch.empty(B * HQ, N, dtype=torch.float32, device=o.device)
+    block_m = 64 if compiled_for_gpu(o) else 16
+    _attn_bwd_delta_kernel[flat_grid(triton.cdiv(N, block_m), B * HQ)](
+        o, do, delta, N, HQ, *o.stride(), *do.stride(), HEAD_DIM=D, BLOCK_M=block_m,
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+    return delta
 
 
 @launched_on_device
 def attention_bwd(q, k, v, o, lse, do, scale: float | None = None, blocks: dict | None = None, out=None):
-    """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous viewed as (B, H, N, D), or
-    the `out` triple."""
+    """The backward launches: (dq, dk, dv), each new and (B, N, H, D)-contiguous, or the `out` triple."""
     q, k, v, o, do = (aligned_heads(t) for t in (q, k, v, o, do))  # 5b: copies of the unaligned ones
-    B, HQ, N, D = q.shape
-    HKV = k.shape[1]
+    (B, HQ, N, D), HKV = q.shape, k.shape[1]
     scale = D ** -0.5 if scale is None else scale
-    D0, D1 = _head_dim_chunks(D)
-    precision = _dot_precision(q)
-
-    delta = torch.empty(B * HQ, N, dtype=torch.float32, device=q.device)
-    block_m = 64 if compiled_for_gpu(q) else 16
+    D0, D1 = head_dim_chunks(D)
     check_image_elements(q, k, v, o, do)
-    _attn_bwd_delta_kernel[flat_grid(triton.cdiv(N, block_m), B * HQ)](
-        o, do, delta, N, HQ, *o.stride(), *do.stride(),
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
-
-    if out is not None:
-        dq, dk, dv = _check_out(out, q, k, v)
-    else:
-        dq = _empty_bnhd(q.shape, q.dtype, q.device)
-        dk = _empty_bnhd(k.shape, k.dtype, k.device)
-        dv = _empty_bnhd(v.shape, v.dtype, v.device)
-    consts = dict(HEAD_DIM=D, D0=D0, D1=D1, DOT_PRECISION=precision, UPCAST_DOT=not compiled_for_gpu(q))
-    args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, HQ // HKV, scale, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), batch_bucket(B * HKV))
+    delta = attention_delta(o, do)
+    dq, dk, dv = check_out(out, q, k, v) if out is not None else (empty_bnhd(q), empty_bnhd(k), empty_bnhd(v))
+    consts = dict(GROUP=HQ // HKV, HEAD_DIM=D, D0=D0, D1=D1, PRECISION=dot_precision(q))
+    inputs = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    args = (q, k, v, do, dk, dv, lse, delta, N, HQ, HKV, scale, scale * LOG2E, *inputs, *dk.stride(), *dv.stride(),
+            batch_bucket(B * HKV))
     _launch(_attn_bwd_dkdv_kernel, "dkdv", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_N"]), B * HKV), args,
             consts, blocks)
-    args = (q, k, v, do, dq, lse, delta, N, HQ, HQ // HKV, scale, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), B * HQ,
-            batch_bucket(B * HQ))
+    args = (q, k, v, do, dq, lse, delta, N, HQ, scale, scale * LOG2E, *inputs, *dq.stride(), batch_bucket(B * HQ))
     _launch(_attn_bwd_dq_kernel, "dq", lambda meta: flat_grid(triton.cdiv(N, meta["BLOCK_M"]), B * HQ), args,
             consts, blocks)
     return dq, dk, dv
 
 
-# ----------------------------------------------------------------------------------------------------
-# Autograd
-# ----------------------------------------------------------------------------------------------------
-
-
 class FlashAttention(torch.autograd.Function):
+    """Differentiable in q, k and v through the given launchers (this file's, or the Hopper variants')."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale):
+    def forward(ctx, q, k, v, scale, fwd, bwd):
         q, k, v = aligned_heads(q), aligned_heads(k), aligned_heads(v)  # saved aligned: no copy again
-        o, lse = attention_fwd(q, k, v, scale)
+        o, lse = fwd(q, k, v, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.bwd = scale, bwd
         ctx.guarded = dispatch.guarded_backward()  # decided now: the backward runs outside the caller's context
         return o
 
@@ -1074,15 +436,15 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         try:
-            dq, dk, dv = attention_bwd(q, k, v, o, lse, do, ctx.scale)
+            dq, dk, dv = ctx.bwd(q, k, v, o, lse, do, ctx.scale)
         except Exception as e:  # noqa: BLE001 - auto: a failed launch takes the reference, said once
             if not ctx.guarded:
                 raise
             dq, dk, dv = dispatch.reference_gradients("attention", e, attention_reference, (q, k, v, ctx.scale), 3,
                                                       (do,))
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None, None
 
 
 def attention_triton(q, k, v, scale: float | None = None):
     """The `_attention_triton` hook: the fused kernels, differentiable in q, k and v."""
-    return FlashAttention.apply(q, k, v, scale)
+    return FlashAttention.apply(q, k, v, scale, attention_fwd, attention_bwd)

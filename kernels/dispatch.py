@@ -50,6 +50,11 @@ AUTO_TABLE = {
     "qk_norm_rope": "triton",  # a fused elementwise op: one read and one write of q and k instead of ~10
     "attention": "torch",  # SDPA (flash/cuDNN): Triton attention has not been measured against it on a GPU
 }
+# Which Triton attention runs under each choice (module of kernels/): the kernel of attention_triton.py, or under
+# fastest the Hopper variants of attention_triton_hopper.py, which autotune beside its plain tiles. The variants
+# stay opt-in until a GPU measurement shows one wins.
+TRITON_ATTENTION_MODULE = {"auto": "attention_triton", "triton": "attention_triton",
+                           "fastest": "attention_triton_hopper"}
 # (major, minor) compute capabilities the kernels are written and compiled for: Ampere/Ada (mma) and Hopper
 # (wgmma; bench/inspect_kernels.py compiles every configuration for sm_90a). Later architectures take the
 # reference until the kernels have been checked there.

@@ -1,5 +1,6 @@
-"""What the Triton kernels share: the launch grid (one flat axis of (batch, head, tile) programs) and the
-aligned-heads memory layout (below).
+"""What the Triton kernels share: the launch grid (one flat axis of (batch, head, tile) programs), the
+aligned-heads memory layout (below), and the attention kernels' launch functions (autotuning key buckets,
+configuration labels, SAPIENS2_TRITON_EXCLUDE, output allocation).
 
 CUDA limits grid axes 1 and 2 to 65,535 programs and axis 0 to 2**31 - 1, so a (tiles, B * H) grid fails from
 B * H = 65,536 on (batch 2,048 with 32 heads). Every kernel here therefore launches `flat_grid(...)` programs on
@@ -11,6 +12,8 @@ The batch and head indices come back as int64: `b * stride_b` overflows int32 fr
 inside one image (token * stride_n + dim) stay int32, which keeps the per-element address math cheap; an image
 of more than 2**31 elements is refused by `check_image_elements`.
 """
+
+import os
 
 import torch
 import triton
@@ -89,3 +92,102 @@ def aligned_heads(t: torch.Tensor) -> torch.Tensor:
     out = empty_heads(B, H, N, D, t.dtype, t.device)
     out.copy_(t)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch functions of the attention kernels (attention_triton.py and its Hopper variants)
+# ----------------------------------------------------------------------------------------------------
+
+
+def batch_bucket(rows: int) -> int:
+    """B * H in the autotuning key: below the 132 SMs of an H100/H200 (a grid too small to fill the GPU), or the
+    power of 4 at or above it (132+, 528+, 2112+, ...)."""
+    if rows < 132:
+        return 1
+    bucket = 132
+    while bucket * 4 <= rows:
+        bucket *= 4
+    return bucket
+
+
+# The letters config_label gives the Hopper variants' flags (attention_triton_hopper.py).
+VARIANT_LETTERS = (("p", "PACK"), ("t", "TMA"), ("o", "OVERLAP"), ("x", "POLY_EXP2"), ("g", "PERSISTENT"))
+
+
+def config_label(constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
+    """A configuration's name in benchmarks and tables: BLOCK_M x BLOCK_N, warps, stages, the variant letters
+    that are on, rN for a cap of N registers per thread. e.g. 128x64w8s3, 128x64w8s3to, 128x64w8s3r128."""
+    flags = "".join(letter for letter, key in VARIANT_LETTERS if constexprs.get(key))
+    cap = f"r{maxnreg}" if maxnreg else ""
+    return f"{constexprs.get('BLOCK_M', '')}x{constexprs.get('BLOCK_N', '')}w{num_warps}s{num_stages}{flags}{cap}"
+
+
+def excluded_configs() -> set[str]:
+    """SAPIENS2_TRITON_EXCLUDE=LABEL,LABEL (config_label names): configurations no autotuner here tries, read at
+    import. The way around one that faults on a GPU (a fault loses the CUDA context)."""
+    return {label.strip() for label in os.environ.get("SAPIENS2_TRITON_EXCLUDE", "").split(",") if label.strip()}
+
+
+def drop_excluded(tuned: dict, excluded: set[str]):
+    """Remove the excluded configurations from each autotuned launcher in `tuned` (an error if none is left)."""
+    for key, launcher in tuned.items():
+        kept = [c for c in launcher.configs
+                if config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) not in excluded]
+        if not kept:
+            raise ValueError(f"SAPIENS2_TRITON_EXCLUDE={','.join(sorted(excluded))} leaves no {key[0]} configuration "
+                             f"({'fp32' if key[1] else 'bf16/fp16'}, launcher {key}): keep one")
+        launcher.configs = kept
+
+
+def launch_options(blocks: dict) -> dict:
+    """num_warps, num_stages (and maxnreg) of a fixed-tile launch."""
+    options = {"num_warps": blocks.get("num_warps", 4), "num_stages": blocks.get("num_stages", 2)}
+    if blocks.get("maxnreg"):
+        options["maxnreg"] = blocks["maxnreg"]
+    return options
+
+
+def empty_bnhd(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like `like` (B, H, N, D) whose memory is (B, N, H, D)-contiguous."""
+    B, H, N, D = like.shape
+    return torch.empty(B, N, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def check_out(out, *likes):
+    """The `out` tensors, if each matches its `like` in shape, dtype and device."""
+    for o, like in zip(out, likes):
+        if o.shape != like.shape or o.dtype != like.dtype or o.device != like.device:
+            raise ValueError(f"out tensor {tuple(o.shape)} {o.dtype} does not match {tuple(like.shape)} {like.dtype}")
+    return out
+
+
+def tile_configs(shapes, maxnreg=None, **constexprs):
+    """triton.Config per (BLOCK_M, BLOCK_N, warps, stages)."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **constexprs}, num_warps=w, num_stages=s, maxnreg=maxnreg)
+            for m, n, w, s in shapes]
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_attention_inputs(q, k, v):
+    """One-line errors for q, k, v the attention kernels cannot take."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (B, H, N, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, HQ, N, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (N, D):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B={B}, Hkv, N={N}, D={D})")
+    if HQ % k.shape[1]:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not 16 <= D <= 256:
+        raise ValueError(f"head dim {D} is outside the supported [16, 256]")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise TypeError(f"q, k, v must share a dtype among {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def tuned_label(launcher) -> str | None:
+    """config_label of the configuration an autotuned launcher ran last (None before its first launch)."""
+    config = getattr(launcher, "best_config", None)
+    return config and config_label(config.kwargs, config.num_warps, config.num_stages, config.maxnreg)

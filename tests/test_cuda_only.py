@@ -3,8 +3,9 @@ that its log names each test that passed, even if a later one faults the GPU).
 
 In order of what a first GPU run must learn: the model on cuda:1 (when there is one) and the checked first launch
 on this GPU; qk_norm_rope at the head dims of 0.4b, 0.8b and 5b (64, 80, 76); SDPA's flash backend on 5b's padded
-head dim; then every configuration the autotuner may pick (kernels/attention_triton.py: forward, dK/dV and dQ
-kernels, bf16 and fp32), forced one at a time, at those head dims, forward and backward against the reference.
+head dim; then every configuration the autotuners may pick (kernels/attention_triton.py and its Hopper variants,
+attention_triton_hopper.py: forward, dK/dV and dQ kernels, bf16 and fp32), forced one at a time, at those head
+dims, forward and backward against the reference.
 
 Tolerance (flash-attention's rule): the kernel's error against an fp32 (fp64 for fp32 inputs) reference may be at
 most twice SDPA's error at the same input dtype, plus 2 machine epsilons of that dtype (SDPA's own error can be
@@ -26,18 +27,21 @@ PLAIN_FORWARD = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2} 
 
 
 def configurations():
-    """(kernel name, fp32?, blocks dict, label) for every configuration the autotuner may pick; none on CPU (the
-    kernel modules must not be imported there before tests/test_kernels.py sets TRITON_INTERPRET)."""
+    """(module, kernel name, fp32?, blocks dict) for every configuration the autotuners may pick (ids: the file, the
+    kernel, the dtype, the label); none on CPU (the kernel modules must not be imported there before
+    tests/test_kernels.py sets TRITON_INTERPRET)."""
     if not torch.cuda.is_available():
         return []
-    from sapiens2.kernels import attention_triton as at
+    from sapiens2.kernels import attention_triton, attention_triton_hopper
+    from sapiens2.kernels.grid_triton import config_label
 
     found = []
-    for (name, fp32), configs in at._CONFIGS.items():
-        for c in configs:
-            blocks = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages, "maxnreg": c.maxnreg}
-            found.append(pytest.param(name, fp32, blocks, id=f"{name}-{'fp32' if fp32 else 'bf16'}-"
-                                      f"{at.config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg)}"))
+    for file, module in (("base", attention_triton), ("hopper", attention_triton_hopper)):
+        for (name, fp32), configs in module._CONFIGS.items():
+            for c in configs:
+                blocks = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages, "maxnreg": c.maxnreg}
+                found.append(pytest.param(module, name, fp32, blocks, id=f"{file}-{name}-{'fp32' if fp32 else 'bf16'}-"
+                                          f"{config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg)}"))
     return found
 
 
@@ -157,16 +161,16 @@ def test_sdpa_takes_head_dim_76_on_its_flash_backend():
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
-@pytest.mark.parametrize("name,fp32,blocks", configurations())
-def test_configuration_against_the_reference(preset, name, fp32, blocks):
-    from sapiens2.kernels import attention_triton as at
+@pytest.mark.parametrize("at,name,fp32,blocks", configurations())
+def test_configuration_against_the_reference(preset, at, name, fp32, blocks):
+    from sapiens2.kernels import attention_triton_hopper as hopper
 
     dtype = torch.float32 if fp32 else torch.bfloat16
     hq, hkv, D = PRESETS[preset]
     q, k, v = bnhd(hq, D, dtype, 10), bnhd(hkv, D, dtype, 11), bnhd(hkv, D, dtype, 12)
     do = bnhd(hq, D, dtype, 13)
     streamed = (k, v) if name != "dkdv" else (q, do)
-    if blocks.get("TMA") and not at.tma_usable(*(at.aligned_heads(t) for t in streamed)):
+    if blocks.get("TMA") and not hopper.tma_usable(*(hopper.aligned_heads(t) for t in streamed)):
         pytest.skip("TMA: not on this GPU (sm_90 only)")
     truth = reference_grads(q, k, v, do)
     sdpa = sdpa_grads(q, k, v, do)

@@ -166,7 +166,7 @@ def test_launchers_run_on_their_tensors_device(gpu, monkeypatch):
     """The launchers themselves (called by bench/ and by autograd's backward) make their first tensor's device
     current around the kernel launch, and the TMA scratch allocator allocates on the launch's device."""
     pytest.importorskip("triton")
-    from sapiens2.kernels import attention_triton, qk_norm_rope_triton
+    from sapiens2.kernels import attention_triton_hopper, qk_norm_rope_triton
 
     seen = []
 
@@ -185,8 +185,8 @@ def test_launchers_run_on_their_tensors_device(gpu, monkeypatch):
     q, k, wq, wk, cos, sin = qk_inputs(N=18)
     qk_norm_rope_triton.qk_norm_rope_fwd(q[:1], k[:1], wq, wk, cos, sin)
     assert seen == ["cuda:1"]
-    monkeypatch.setattr(attention_triton._SCRATCH, "device", torch.device("cpu"), raising=False)
-    assert attention_triton._torch_scratch(64, 16, None).device == torch.device("cpu")  # not a bare "cuda"
+    monkeypatch.setattr(attention_triton_hopper._SCRATCH, "device", torch.device("cpu"), raising=False)
+    assert attention_triton_hopper._torch_scratch(64, 16, None).device == torch.device("cpu")  # not a bare "cuda"
 
 
 def test_a_chosen_cuda_device_is_made_current(monkeypatch):
@@ -290,15 +290,15 @@ def test_training_checks_the_backward_too(gpu, monkeypatch, caplog):
 def test_a_failed_backward_takes_the_references_gradients(gpu, monkeypatch, caplog, op):
     """The real Triton ops (interpreter) pass their check, then a backward launch raises at the call's shape: in
     auto the gradients are the reference's, said once; forced, the error stands."""
-    triton_module = pytest.importorskip(f"sapiens2.kernels.{op}_triton")
-    launcher = getattr(triton_module, f"{op}_bwd")
+    # attention: both files' backward (fastest runs the Hopper variants' file, triton the base one)
+    names = [f"{op}_triton"] + (["attention_triton_hopper"] if op == "attention" else [])
+    for triton_module in (pytest.importorskip(f"sapiens2.kernels.{name}") for name in names):
+        def fails_past_the_check(q, *args, launcher=getattr(triton_module, f"{op}_bwd"), **kwargs):
+            if q.shape[2] > 18:  # the checks' cases have 18 tokens on CPU
+                raise RuntimeError("CUDA error: misaligned address")
+            return launcher(q, *args, **kwargs)
 
-    def fails_past_the_check(q, *args, **kwargs):
-        if q.shape[2] > 18:  # the checks' cases have 18 tokens on CPU
-            raise RuntimeError("CUDA error: misaligned address")
-        return launcher(q, *args, **kwargs)
-
-    monkeypatch.setattr(triton_module, f"{op}_bwd", fails_past_the_check)
+        monkeypatch.setattr(triton_module, f"{op}_bwd", fails_past_the_check)
     monkeypatch.setenv("SAPIENS2_KERNELS", "fastest")
     monkeypatch.setattr(dispatch, "time_ms", triton_faster())
     if op == "qk_norm_rope":
@@ -374,7 +374,7 @@ def test_triton_only_on_nvidia_and_supported_archs(gpu, monkeypatch, caplog, hip
 @pytest.mark.parametrize("hip,capability,tma", [(None, (9, 0), True), ("6.2.41133", (9, 4), False),
                                                 (None, (10, 0), False), (None, (8, 0), False)])
 def test_tma_only_on_sm90(monkeypatch, hip, capability, tma):
-    at = pytest.importorskip("sapiens2.kernels.attention_triton")
+    at = pytest.importorskip("sapiens2.kernels.attention_triton_hopper")
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert at._has_tma_engine(torch.empty(1)) == tma
@@ -403,8 +403,9 @@ def test_autotuning_keys_bucket_the_batch():
     """Triton's autotuner keys on B x H in buckets, not on B x H: the last, smaller batch of a run (here 8 images
     then 3, 0.4b's 16 heads) reuses the tuned tiles instead of timing every configuration again."""
     at = pytest.importorskip("sapiens2.kernels.attention_triton")
-    assert "BH" not in at._KEY and "BH_BUCKET" in at._KEY
-    assert all("BH_BUCKET" in kernel.arg_names for kernel in at._KERNELS.values())
+    hopper = pytest.importorskip("sapiens2.kernels.attention_triton_hopper")
+    assert "BH" not in at.AUTOTUNE_KEY and "BH_BUCKET" in at.AUTOTUNE_KEY
+    assert all("BH_BUCKET" in kernel.arg_names for kernel in [*at._KERNELS.values(), *hopper._KERNELS.values()])
     assert at.batch_bucket(8 * 16) == at.batch_bucket(3 * 16) == at.batch_bucket(1 * 16)  # below the 132 SMs
     assert at.batch_bucket(16 * 16) == at.batch_bucket(32 * 16) == 132 != at.batch_bucket(64 * 16)
 

@@ -213,14 +213,15 @@ def test_excluded_configurations_leave_the_autotuner(monkeypatch):
     excluding all of one launcher's is refused (the launch would have nothing to run)."""
     import types
 
-    from sapiens2.kernels import attention_triton as at
+    from sapiens2.kernels import attention_triton_hopper as hopper
+    from sapiens2.kernels import grid_triton
 
     monkeypatch.setenv("SAPIENS2_TRITON_EXCLUDE", " 128x64w8s3to, 128x64w8s3r128 ,")
-    assert at.excluded_configs() == {"128x64w8s3to", "128x64w8s3r128"}
-    tuned = {("fwd", False, True): types.SimpleNamespace(configs=list(at._FWD_CONFIGS))}
-    at._drop_excluded(tuned, at.excluded_configs())
+    assert grid_triton.excluded_configs() == {"128x64w8s3to", "128x64w8s3r128"}
+    tuned = {("fwd", False, True): types.SimpleNamespace(configs=list(hopper._FWD_CONFIGS))}
+    grid_triton.drop_excluded(tuned, grid_triton.excluded_configs())
     kept = tuned["fwd", False, True].configs
-    labels = [at.config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) for c in kept]
-    assert len(labels) == len(at._FWD_CONFIGS) - 2 and "128x64w8s3to" not in labels and "128x64w8s3o" in labels
+    labels = [grid_triton.config_label(c.kwargs, c.num_warps, c.num_stages, c.maxnreg) for c in kept]
+    assert len(labels) == len(hopper._FWD_CONFIGS) - 2 and "128x64w8s3to" not in labels and "128x64w8s3o" in labels
     with pytest.raises(ValueError, match="leaves no fwd configuration"):
-        at._drop_excluded(tuned, set(labels))
+        grid_triton.drop_excluded(tuned, set(labels))

@@ -51,19 +51,22 @@ def cuobjdump():
 
 
 def test_5b_kernels_on_hopper(cuobjdump, tmp_path):
+    """Both attention files (attention_triton.py's forward, and its Hopper variants' first configuration) and
+    qk_norm_rope at 5b: no spills, no 16-bit scalar loads, wgmma and cp.async."""
     run, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--first-config",
                             "--only", "attn_fwd|qk_norm_rope_fwd")
     rows = {r["name"]: r for r in rows}
-    assert sorted(rows) == ["_attn_fwd_kernel", "_qk_norm_rope_fwd_kernel"]
-    assert "_attn_fwd_kernel" in run.stdout  # the table
+    assert sorted(rows) == ["_attn_fwd_hopper_kernel", "_attn_fwd_kernel", "_qk_norm_rope_fwd_kernel"]
+    assert "_attn_fwd_kernel" in run.stdout and "_attn_fwd_hopper_kernel" in run.stdout  # the table
     for r in rows.values():
         assert r["dtype"] == "bfloat16" and r["D"] == 76 and r["N"] == 3081 and r["B"] == 8
         assert r["registers"] and r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, r
         assert r["ldl"] == 0 and r["stl"] == 0, r
         assert r["ldg_16bit"] == 0, f"{r['name']}: {r['ldg_16bit']} 16-bit scalar global loads"
-    attn = rows["_attn_fwd_kernel"]
-    assert attn["hgmma"] > 0 and attn["ldgsts"] > 0  # wgmma, and cp.async pipelining of K/V
-    assert attn["constexprs"]["HEAD_DIM"] == 76 and attn["grid"] == [25 * 8 * 32]
+    for attn in rows["_attn_fwd_kernel"], rows["_attn_fwd_hopper_kernel"]:
+        assert attn["hgmma"] > 0 and attn["ldgsts"] > 0  # wgmma, and cp.async pipelining of K/V
+        assert attn["constexprs"]["HEAD_DIM"] == 76 and attn["grid"] == [25 * 8 * 32]
+    assert rows["_attn_fwd_kernel"]["loop_ex2_under_wgmma"] == 0  # the base kernel: MMA and softmax alternate
 
 
 def test_gqa_packed_forward_on_hopper(cuobjdump, tmp_path):
@@ -71,7 +74,7 @@ def test_gqa_packed_forward_on_hopper(cuobjdump, tmp_path):
     compiles to wgmma + cp.async without spills or local memory, and its launch reads half the K/V bytes of
     the unpacked 128-row tile (one program per K/V head instead of per query head, same tokens' worth of rows
     per K/V tile load)."""
-    _, rows = run_inspect(tmp_path, "--presets", "0.8b", "--blocks", "gqa2", "--only", "attn_fwd",
+    _, rows = run_inspect(tmp_path, "--presets", "0.8b", "--blocks", "gqa2", "--only", "attn_fwd_hopper",
                           "--cfg", "^(128x64w8s3|256x64w8s2p)$")
     rows = {r["constexprs"]["PACK"]: r for r in rows}
     plain, packed = rows[False], rows[True]
@@ -92,7 +95,7 @@ def test_tma_and_overlapped_softmax_on_hopper(cuobjdump, tmp_path):
     - the plain order: MMAs and softmax alternate (no exp2 under a wgmma), which shows the count can tell them apart;
     - the TMA one on a persistent grid (suffix tog).
     None spills."""
-    _, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--only", "attn_fwd",
+    _, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--only", "attn_fwd_hopper",
                           "--cfg", "^128x64w8s3(|o|to|tog)$")
     persistent, = [r for r in rows if r["constexprs"]["PERSISTENT"]]
     rows = {(r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r for r in rows if not r["constexprs"]["PERSISTENT"]}
@@ -117,7 +120,8 @@ def test_two_programs_per_sm_with_128_registers(cuobjdump, tmp_path):
     fit an SM, with no local memory inside the loop. Outside it, at D = 80, a few values wait in local memory across
     the loop (stored before it, loaded after): with triton 3.9 none of it counts as spills, with triton 3.6 (the
     H200 machines') 8 bytes do, once per program."""
-    _, rows = run_inspect(tmp_path, "--presets", "0.8b,5b", "--blocks", "mha", "--only", "attn_fwd", "--cfg", "r128$")
+    _, rows = run_inspect(tmp_path, "--presets", "0.8b,5b", "--blocks", "mha", "--only", "attn_fwd_hopper",
+                          "--cfg", "r128$")
     assert [r["preset"] for r in rows] == ["0.8b", "5b"]
     for r in rows:
         assert r["maxnreg"] == 128 and r["registers"] <= 128 and r["ctas_per_sm"] == 2, r
@@ -129,15 +133,16 @@ def test_backward_variants_on_hopper(cuobjdump, tmp_path):
     """The 5b backward (D = 76) variants, compiled for sm_90a without spills: dQ with OVERLAP keeps its dQ MMA in
     flight under most of the next tile's exp2s, dK/dV with OVERLAP under some of them, and
     with TMA both load their streamed tiles with UTMALDG instead of cp.async."""
-    _, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--only", "dkdv|dq",
+    _, rows = run_inspect(tmp_path, "--presets", "5b", "--blocks", "mha", "--only", "dkdv_hopper|dq_hopper",
                           "--cfg", "^(128x64w8s3(o|to)|32x128w8s3(o|t))$")
     rows = {(r["name"], r["constexprs"]["TMA"], r["constexprs"]["OVERLAP"]): r for r in rows}
     assert len(rows) == 4
     for r in rows.values():
         assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["ldl"] == r["stl"] == 0, r
         assert r["hgmma"] > 0 and r["ldg_16bit"] == 0
-    dq_overlap, dq_tma = rows["_attn_bwd_dq_kernel", False, True], rows["_attn_bwd_dq_kernel", True, True]
-    dkdv_overlap, dkdv_tma = rows["_attn_bwd_dkdv_kernel", False, True], rows["_attn_bwd_dkdv_kernel", True, False]
+    dq, dkdv = "_attn_bwd_dq_hopper_kernel", "_attn_bwd_dkdv_hopper_kernel"
+    dq_overlap, dq_tma = rows[dq, False, True], rows[dq, True, True]
+    dkdv_overlap, dkdv_tma = rows[dkdv, False, True], rows[dkdv, True, False]
     # dQ: 30-31 of 32 with triton 3.9, 29 with 3.6; the plain order reaches at most half (9-16 of 32)
     assert dq_overlap["loop_ex2_under_wgmma"] >= 0.75 * dq_overlap["loop_ex2"] > 0, dq_overlap
     # dK/dV: 16 of 16 with triton 3.9, 7 with 3.6; the plain order none
