@@ -245,17 +245,23 @@ def test_agreement_metrics_equal_a_direct_computation():
 
 def test_pose_agreement_distance_and_ap_of_known_keypoints():
     """Two people; the student's keypoints are the teacher's moved by (3, 4) px: distance 5; AP 1 when the move is
-    small against the box (OKS ~1), below 1 when it is not."""
+    small against the box (OKS ~1), below 1 when it is not. A keypoint the teacher does not see (score below
+    pseudo_labels.VISIBLE_SCORE: a flat map, where DARK's step can throw it far off) counts in neither."""
     people = [{"file": "a.png", "bbox": [0, 0, 400, 400]}, {"file": "b.png", "bbox": [0, 0, 400, 400]}]
-    metric = agreement.Agreement("pose", {"out_channels": 3, "sigmas": [0.05] * 3}, people)
-    teacher = torch.tensor([[[10.0, 20.0], [30.0, 40.0], [50.0, 60.0]]] * 2, dtype=torch.float64)
-    metric.sums = torch.cat([teacher + torch.tensor([3.0, 4.0], dtype=torch.float64), teacher], -1)
+    metric = agreement.Agreement("pose", {"out_channels": 4, "sigmas": [0.05] * 4}, people)
+    teacher = torch.tensor([[[10.0, 20.0], [30.0, 40.0], [50.0, 60.0], [-900.0, 700.0]]] * 2, dtype=torch.float64)
+    scores = torch.tensor([[0.9, 0.3, 0.5, 0.29]] * 2, dtype=torch.float64)  # the last one unseen
+    student = teacher + torch.tensor([3.0, 4.0], dtype=torch.float64)
+    student[:, 3] = torch.tensor([20.0, 20.0], dtype=torch.float64)  # ~1100 px from the teacher's unseen keypoint
+    metric.sums = torch.cat([student, teacher, scores[..., None]], -1)
     result = metric.result()
     assert result["agree_distance_px"] == pytest.approx(5.0, rel=1e-12)
     # OKS = exp(-25 / (2 * 160000 * 0.01)) = 0.992 > 0.95: matched at every threshold
     assert result["agree_AP"] == pytest.approx(1.0)
     metric.sums[..., :2] += 60
     assert metric.result()["agree_AP"] < 1.0
+    metric.sums[..., 4] = 0.1  # the teacher sees nothing: no distance to report
+    assert math.isnan(metric.result()["agree_distance_px"])
 
 
 def test_seg_kl_at_a_temperature_and_weights():
