@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from sapiens2 import Sapiens2, Sapiens2Config, heads, weights
-from sapiens2_app import agreement, distill_data, distillation
+from sapiens2 import Sapiens2, Sapiens2Config, heads, processing, weights
+from sapiens2_app import agreement, boxes, distill_data, distillation
 from test_train import HEADS, SIZE, checkpoint_tensors, make_dataset, read_log, run_train, tiny_backbone, torchrun
 
 
@@ -186,6 +186,20 @@ def test_pose_on_unlabeled_photos_finds_its_people_with_the_detector(tmp_path, m
                    "--boxes", boxes) == 0
     people = json.loads((root / "boxes_run" / distill_data.PEOPLE_FILE).read_text())
     assert people["train"]["boxes_from"] == {"boxes-file": 4} and fake.calls == 8
+    # --detector seg: the person blobs of --seg-model's class map, by predict.py's rules (boxes.pose_boxes)
+    seg_model = tiny_seg_model(root / "seg.safetensors")
+    assert distill("pose", photos, root / "seg_run", student_backbone(root), root / "teacher", "--steps", 1,
+                   "--detector", "seg", "--seg-model", seg_model) == 0
+    people = json.loads((root / "seg_run" / distill_data.PEOPLE_FILE).read_text())
+    assert people["train"]["boxes_from"] == {"segmentation": 4} and fake.calls == 8
+    found = seg_boxes(seg_model, photos, 4)
+    assert [a["bbox"] for a in people["train"]["annotations"]] == found and len(found) > 4
+    # --detector none: the whole image, as in predict.py
+    assert distill("pose", photos, root / "none_run", student_backbone(root), root / "teacher", "--steps", 1,
+                   "--detector", "none") == 0
+    people = json.loads((root / "none_run" / distill_data.PEOPLE_FILE).read_text())
+    assert people["train"]["boxes_from"] == {"whole-image": 4} and fake.calls == 8
+    assert [a["bbox"] for a in people["train"]["annotations"]] == [[0.0, 0.0, 47.0, 63.0]] * 4
     # a teacher of another task, or a loss term the task lacks: one line naming the option, before any training
     capsys.readouterr()
     assert distill("seg", photos, root / "bad", student_backbone(root), root / "teacher", "--steps", 1) == 2
@@ -193,6 +207,30 @@ def test_pose_on_unlabeled_photos_finds_its_people_with_the_detector(tmp_path, m
     assert distill("pose", photos, root / "bad", student_backbone(root), root / "teacher", "--steps", 1,
                    "--distill-weights", "kl=1") == 2
     assert "error: --distill-weights kl=1: pose has no term 'kl'; its terms: mse=10" in capsys.readouterr().err
+    assert distill("pose", photos, root / "bad", student_backbone(root), root / "teacher", "--steps", 1,
+                   "--detector", "seg") == 2
+    assert "error: --detector seg: give the segmentation model" in capsys.readouterr().err
+
+
+def tiny_seg_model(path: Path) -> Path:
+    """A random 2-class seg model whose class maps of the pose photos have foreground blobs (24 in 4 photos), not
+    one foreground covering the whole image (as seeds 1 to 9 give)."""
+    torch.manual_seed(11)
+    config = Sapiens2Config(32, 2, 2, full_attention_first=1, full_attention_last=1, image_size=SIZE)
+    return weights.save(heads.build_task_model(config, heads.HeadConfig("seg", (16, 8, 8, 8), (8,), 2)).eval(), path)
+
+
+def seg_boxes(seg_model: Path, photos: Path, count: int) -> list[list[float]]:
+    """The person boxes of each photo computed directly, as predict.py --detector seg finds them: the seg model's
+    unpadded input, its logits resized to the photo and argmaxed, the foreground blobs' boxes."""
+    model, found = weights.load(seg_model), []
+    for i in range(count):
+        image = processing.load_image(photos / f"p{i}.png")
+        inputs = processing.preprocess([image], SIZE, pad=False)
+        with torch.no_grad():
+            classes = processing.postprocess_segmentation(model(inputs.pixel_values).logits, inputs)[0]
+        found += boxes.fit_boxes(boxes.person_boxes(classes), image.shape[-1], image.shape[-2])
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------
