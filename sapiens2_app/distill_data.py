@@ -6,8 +6,9 @@ Where the photos are, for --data ROOT:  ROOT/train/images/, else ROOT/images/, e
 Validation: ROOT/val/ when it exists; with the task's labels there (masks/, annotations.json, ...) the usual
 metrics are computed beside the agreement with the teacher.
 
-Pose needs people: the boxes of each photo come from --boxes, else the person detector (--detector), else the
-whole image, as predict.py finds them (boxes.pose_boxes). The main process finds them once and writes them to
+Pose needs people: the boxes of each photo come from --boxes, else the person detector (--detector: D-FINE; 'seg'
+for the person blobs of the segmentation model --seg-model; 'none'), else the whole image, as predict.py finds them
+(boxes.pose_boxes). The main process finds them once and writes them to
 OUT/people.json (COCO: images + annotations with boxes and no keypoints), which the other processes and a resumed
 run read back: every process, and every resume, trains on the same people.
 """
@@ -20,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sapiens2 import processing
+from sapiens2 import processing, weights
 from sapiens2_app import boxes as box_rules
 from sapiens2_app.cli import UsageError
 from sapiens2_app.dataset_files import (IMAGE_SUFFIXES, TARGET_FOLDERS, flip_order, list_images)
 from sapiens2_app.datasets import DenseDataset
+from sapiens2_app.inference import PADDED
 from sapiens2_app.inputs import InputImage
 from sapiens2_app.pose_augmentation import clip_box
 from sapiens2_app.pose_dataset import PoseDataset, body_halves
@@ -100,17 +102,21 @@ class PhotoDataset(DenseDataset):
 # ----------------------------------------------------------------------------------------------------
 # Pose: the people of the photos, found as predict.py finds them
 # ----------------------------------------------------------------------------------------------------
-def find_people(photos: dict[str, Path], folder: Path, boxes: dict | None, detector) -> dict:
+def find_people(photos: dict[str, Path], folder: Path, boxes: dict | None, detector, segmenter=None) -> dict:
     """COCO {"images", "annotations", "boxes_from"}: each photo's person boxes (boxes.pose_boxes: --boxes, else
-    the detector, else the whole image), no keypoints."""
+    the detector, else the segmentation's person blobs (segmenter, --detector seg), else the whole image), no
+    keypoints."""
     images, annotations, sources = [], [], {}
     for image_id, (name, path) in enumerate(photos.items()):
         image = processing.load_image(path)
         item = InputImage(path, path.relative_to(folder).as_posix())
-        detected = None
-        if detector is not None and (boxes is None or box_rules.boxes_for(item, boxes) is None):
-            detected = detector([image])[0].float().cpu()
-        found, source, _, _ = box_rules.pose_boxes(item, image, boxes, None, detected)
+        detected, segmentation = None, None
+        if boxes is None or box_rules.boxes_for(item, boxes) is None:
+            if detector is not None:
+                detected = detector([image])[0].float().cpu()
+            elif segmenter is not None:
+                segmentation = segmenter(image)
+        found, source, _, _ = box_rules.pose_boxes(item, image, boxes, segmentation, detected)
         sources[source] = sources.get(source, 0) + 1
         images.append({"id": image_id, "file": str(path), "height": int(image.shape[-2]),
                        "width": int(image.shape[-1])})
@@ -122,16 +128,21 @@ def find_people(photos: dict[str, Path], folder: Path, boxes: dict | None, detec
 def people_file(out: Path, root: Path, args, dist_info) -> dict:
     """OUT/people.json, {split: find_people's} for train and (when present) val: found by the main process when a
     run starts (a resumed run reads them back), read by all. --boxes (args.boxes) wins; without it the detector
-    (args.detector) finds them."""
+    (args.detector: D-FINE, 'seg' for the blobs of --seg-model's segmentation, 'none' for the whole image) finds
+    them."""
     path = Path(out) / PEOPLE_FILE
     if dist_info.main and not args.resume:
         boxes = box_rules.read_boxes_file(args.boxes) if args.boxes else None
-        person_detector = None if args.boxes else load_detector(args.detector, dist_info.device)
+        person_detector = segmenter = None
+        if args.boxes is None and args.detector == "seg":
+            segmenter = Segmenter(load_seg_model(args.seg_model, dist_info.device))
+        elif args.boxes is None and args.detector != "none":
+            person_detector = load_detector(args.detector, dist_info.device)
         found = {}
         for split in ("train", "val"):
             folder = photo_folder(root, split)
             if folder is not None:
-                found[split] = find_people(list_photos(folder), folder, boxes, person_detector)
+                found[split] = find_people(list_photos(folder), folder, boxes, person_detector, segmenter)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(found))
     dist_info.barrier()
@@ -148,6 +159,32 @@ def load_detector(source: str, device):
         return detector.load(source, device=device)
     except (ValueError, OSError) as error:
         raise UsageError(f"--detector {source}: {error}") from None
+
+
+def load_seg_model(source: str, device):
+    """--seg-model: the segmentation model whose person blobs are the boxes (--detector seg); fp32 on CPU, bf16 on
+    CUDA, as the teacher."""
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    try:
+        return weights.load(source, dtype=dtype, device=device, task="seg").requires_grad_(False).eval()
+    except (ValueError, OSError) as error:
+        raise UsageError(f"--seg-model {source}: {error}") from None
+
+
+class Segmenter:
+    """A photo's (H, W) class map from a seg model, as predict.py makes it (inference.run_seg: its preprocessing,
+    unpadded, at the model's input size; the logits resized to the photo, then the argmax)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        parameter = next(self.model.parameters())
+        inputs = processing.preprocess([image], tuple(self.model.config.image_size), pad=PADDED["seg"],
+                                       device=parameter.device)
+        logits = self.model(inputs.pixel_values.to(parameter.dtype)).logits
+        return processing.postprocess_segmentation(logits.float(), inputs)[0].cpu()
 
 
 class PhotoPeople(PoseDataset):

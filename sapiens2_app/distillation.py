@@ -76,8 +76,11 @@ def add_arguments(parser):
     group.add_argument("--boxes", metavar="FILE", help="pose: person boxes, JSON {\"image.jpg\": [[x, y, w, h], "
                        "...]} (as predict.py); photos without an entry use the detector")
     group.add_argument("--detector", default=detector.DEFAULT_DETECTOR, metavar="SOURCE",
-                       help="pose: the D-FINE person detector that finds the people in the photos (default "
-                       f"{detector.DEFAULT_DETECTOR})")
+                       help="pose: person boxes from this D-FINE detector (default %(default)s), 'seg' for the "
+                       "segmentation's person blobs (of --seg-model), 'none' for the whole image; --boxes wins "
+                       "(as predict.py)")
+    group.add_argument("--seg-model", metavar="MODEL", help="pose with --detector seg: the segmentation model "
+                       "(anything --teacher takes, e.g. seg-1b) whose person blobs are the boxes")
 
 
 def describe(distiller: "Distiller", source: str, people: dict | None) -> str:
@@ -101,6 +104,11 @@ def setup_teacher(args, device: torch.device) -> heads.Sapiens2ForTask:
     parse_weights(args.task, args.distill_weights)
     if args.task != "pose" and args.boxes:
         raise UsageError("--boxes: only pose finds people in the photos")
+    if args.detector == "seg" and args.task == "pose" and not args.boxes and not args.seg_model:
+        raise UsageError("--detector seg: give the segmentation model whose person blobs are the boxes with "
+                         "--seg-model MODEL (e.g. seg-1b)")
+    if args.seg_model and (args.detector != "seg" or args.task != "pose"):
+        raise UsageError(f"--seg-model {args.seg_model}: only pose with --detector seg uses it")
     return load_teacher(args.teacher, args.task, device)
 
 
