@@ -1,7 +1,7 @@
 """Pre- and post-processing for every Sapiens2 task, and the keypoint/class metadata they share with heads.py.
 
-Images in, tensors out; model outputs in, results out (pictures of them: sapiens2_app/pictures.py; COCO files:
-sapiens2_app/formats.py). torch + numpy + pillow only, no model code (the default input and patch size are read
+Images in, tensors out; model outputs in, results out (pictures of them: sapiens2_app/predict/pictures.py; COCO files:
+sapiens2_app/predict/formats.py). torch + numpy + pillow only, no model code (the default input and patch size are read
 from sapiens2.Sapiens2Config, their one home).
 
 Data layout

@@ -52,7 +52,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from sapiens2 import PRESETS  # noqa: E402
 from sapiens2.kernels import attention_triton as attention_triton  # noqa: E402
 from sapiens2.kernels import qk_norm_rope_triton as qk_norm_rope_triton  # noqa: E402
-from sapiens2_app import safe_io  # noqa: E402
+from sapiens2_app.common import safe_io  # noqa: E402
 
 PRESET_NAMES = ("0.4b", "0.8b", "1b", "5b")
 IMAGE = (1024, 768)

@@ -23,8 +23,9 @@ import predict
 from sapiens2 import processing
 import train
 from sapiens2 import Sapiens2, Sapiens2Config, weights
-from sapiens2_app import (dataset_files, datasets, dense_metrics, distributed, pixel_augmentation, pose_augmentation,
-                          pose_metrics, starting_model, targets)
+from sapiens2_app.augment import pixel_augmentation, pose_augmentation
+from sapiens2_app.train import (dataset_files, datasets, dense_metrics, distributed, pose_metrics, starting_model,
+                                targets)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = (64, 48)  # network input (H, W)

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from sapiens2 import processing
-from sapiens2_app.pixel_augmentation import Photometric, box_blur, coarse_dropout, median_blur, photometric_distortion
-from sapiens2_app.random_draws import chance, draw_photometric, randint, truncated_normal, uniform
+from sapiens2_app.augment.pixel_augmentation import (Photometric, box_blur, coarse_dropout, median_blur,
+                                                     photometric_distortion)
+from sapiens2_app.augment.random_draws import chance, draw_photometric, randint, truncated_normal, uniform
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sapiens2_app.pixel_augmentation import Photometric
+from sapiens2_app.augment.pixel_augmentation import Photometric
 
 
 def uniform(generator: torch.Generator, low: float, high: float) -> float:

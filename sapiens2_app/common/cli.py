@@ -19,7 +19,7 @@ import threading
 import torch
 
 from sapiens2 import Sapiens2Config, weights
-from sapiens2_app.artefacts import TASKS
+from sapiens2_app.common.artefacts import TASKS
 
 PATCH_SIZE = Sapiens2Config.patch_size
 SIZE_RANGE = (32, 4096)  # --size sides, pixels: a 2x2 patch grid at least (the heads' norms need >1 cell); 4K at most

@@ -15,7 +15,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sapiens2_app.safe_io import atomic_write, json_text
+from sapiens2_app.common.safe_io import atomic_write, json_text
 
 
 class Progress:

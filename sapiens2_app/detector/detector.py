@@ -1,7 +1,7 @@
-"""The person detector for top-down pose: D-FINE (sapiens2_app/dfine.py) with its pre- and post-processing and
+"""The person detector for top-down pose: D-FINE (sapiens2_app/detector/dfine.py) with its pre- and post-processing and
 its loading from transformers' checkpoint format, so pose gets one box per person without mmdet or torchvision.
 
-    from sapiens2_app import detector
+    from sapiens2_app.detector import detector
     find_people = detector.load("ustc-community/dfine-small-coco")    # a hub id, a folder or a .safetensors file
     boxes = find_people([image])                                       # per image (K, 5): x, y, w, h, score
     boxes = detector.load(source, dtype=torch.bfloat16, device="cuda", threshold=0.3)(images)
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from sapiens2 import hub, processing, weights
-from sapiens2_app.dfine import DFine
-from sapiens2_app.dfine_config import DFineConfig
+from sapiens2_app.detector.dfine import DFine
+from sapiens2_app.detector.dfine_config import DFineConfig
 
 DEFAULT_DETECTOR = "ustc-community/dfine-small-coco"
 # Short names of the released COCO checkpoints (https://huggingface.co/ustc-community).
@@ -233,12 +233,12 @@ def load(source=DEFAULT_DETECTOR, dtype=torch.float32, device="cpu", threshold: 
         state, name)
     unknown = sorted(set(overrides) - {f.name for f in fields(DFineConfig)})
     if unknown:
-        raise ValueError(f"unknown D-FINE config fields {unknown}; see sapiens2_app.dfine_config.DFineConfig")
+        raise ValueError(f"unknown D-FINE config fields {unknown}; see sapiens2_app.detector.dfine_config.DFineConfig")
     cfg = DFineConfig(**{**values, **overrides})
     label = person_label if person_label is not None else person_label_of(cfg, name)
     with torch.device("meta"):
         model = DFine(cfg)
-    weights.load_strict(model, state, f"{name} (D-FINE; keys as sapiens2_app/detector.py names them, see KEY_RENAMES)")
+    weights.load_strict(model, state, f"{name} (D-FINE; keys as sapiens2_app/detector/detector.py names them, see KEY_RENAMES)")
     # NaN or Inf weights find nobody in any image, silently (a whole-image box for every photo): refused by name,
     # with the check weights.load applies to --model's checkpoints
     weights.refuse_non_finite(model, name)

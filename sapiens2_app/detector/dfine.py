@@ -1,7 +1,7 @@
 """The D-FINE detection model in plain PyTorch: the decoder (multi-scale deformable attention, fine-grained
-distribution refinement) and `DFine`, which runs sapiens2_app/dfine_backbone.py's backbone and encoder, selects the
-queries and decodes their boxes. Its config: sapiens2_app/dfine_config.py. Loading and pre/post-processing:
-sapiens2_app/detector.py.
+distribution refinement) and `DFine`, which runs sapiens2_app/detector/dfine_backbone.py's backbone and encoder, selects the
+queries and decodes their boxes. Its config: sapiens2_app/detector/dfine_config.py. Loading and pre/post-processing:
+sapiens2_app/detector/detector.py.
 
 Architecture (D-FINE, Peng et al. 2024, Apache-2.0; module names follow the checkpoints on the hub):
   * Query selection: every encoder position is an anchor box; a linear head scores them and the top
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sapiens2_app.dfine_backbone import ACTIVATIONS, FrozenBatchNorm2d, HGNetV2, HybridEncoder, SelfAttention
-from sapiens2_app.dfine_config import DFineConfig
+from sapiens2_app.detector.dfine_backbone import ACTIVATIONS, FrozenBatchNorm2d, HGNetV2, HybridEncoder, SelfAttention
+from sapiens2_app.detector.dfine_config import DFineConfig
 
 
 # ----------------------------------------------------------------------------------------------------

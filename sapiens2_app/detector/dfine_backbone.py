@@ -1,5 +1,5 @@
 """D-FINE's feature extractor in plain PyTorch: the HGNetV2 backbone and the hybrid encoder, with the layers the
-decoder shares (activations, frozen batch norm, self-attention). sapiens2_app/dfine.py puts the decoder on top.
+decoder shares (activations, frozen batch norm, self-attention). sapiens2_app/detector/dfine.py puts the decoder on top.
 
 Architecture (D-FINE, Peng et al. 2024, Apache-2.0; module names follow the checkpoints on the hub):
   * HGNetV2 backbone: a stem (conv, a 2x2-conv branch beside a max-pool, conv), then stages of HG blocks
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sapiens2_app.dfine_config import DFineConfig
+from sapiens2_app.detector.dfine_config import DFineConfig
 
 
 # ----------------------------------------------------------------------------------------------------

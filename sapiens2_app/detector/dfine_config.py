@@ -1,6 +1,6 @@
 """The D-FINE architecture's settings: `DFineConfig`, in transformers' field names, read from a transformers
-config.json by `DFineConfig.from_hf`. Its own module so that the backbone (sapiens2_app/dfine_backbone.py) and the
-detector model (sapiens2_app/dfine.py) both import it and neither imports the other: dfine.py -> dfine_backbone.py ->
+config.json by `DFineConfig.from_hf`. Its own module so that the backbone (sapiens2_app/detector/dfine_backbone.py) and the
+detector model (sapiens2_app/detector/dfine.py) both import it and neither imports the other: dfine.py -> dfine_backbone.py ->
 dfine_config.py.
 """
 

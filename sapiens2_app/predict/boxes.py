@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from sapiens2 import processing
-from sapiens2_app.cli import UsageError
-from sapiens2_app.inputs import FRAME_KEY, InputImage, clip_of_frame_key, is_video
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.predict.inputs import FRAME_KEY, InputImage, clip_of_frame_key, is_video
 
 MIN_BLOB_FRACTION = 0.1  # person blobs smaller than this fraction of the largest one are dropped
 MIN_BLOB_AREA = 0.002  # ... and blobs under this fraction of the image

@@ -24,9 +24,9 @@ from typing import Callable
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.boxes import boxes_for, pose_boxes
-from sapiens2_app.inputs import InputImage
-from sapiens2_app.models import LoadedModel
+from sapiens2_app.predict.boxes import boxes_for, pose_boxes
+from sapiens2_app.predict.inputs import InputImage
+from sapiens2_app.predict.models import LoadedModel
 
 # How each task's model sees the whole image: plain resize (ignoring the aspect ratio, as the original seg demo and
 # HF), or aspect-preserving resize + padding (as the original normal/pointmap/albedo demos). Pose sees person crops.

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from sapiens2_app.artefacts import OUTPUT_SUFFIXES
-from sapiens2_app.cli import UsageError
+from sapiens2_app.common.artefacts import OUTPUT_SUFFIXES
+from sapiens2_app.common.cli import UsageError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm"}
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}

@@ -13,9 +13,9 @@ import torch
 
 from sapiens2 import PRESETS, Sapiens2, heads, hub, weights
 from sapiens2.processing import keypoint_metadata
-from sapiens2_app import detector
-from sapiens2_app.artefacts import TASKS
-from sapiens2_app.cli import UsageError, one_line
+from sapiens2_app.detector import detector
+from sapiens2_app.common.artefacts import TASKS
+from sapiens2_app.common.cli import UsageError, one_line
 
 # --conventions: how the weights were trained (the original demos' OpenCV preprocessing, RoPE in bf16), or
 # exactly what HF transformers computes (its image processor, RoPE in fp32)

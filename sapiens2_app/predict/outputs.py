@@ -13,13 +13,13 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from sapiens2.processing import keypoint_metadata
-from sapiens2_app import formats, pictures, tracking
-from sapiens2_app.artefacts import ARTEFACTS, MASKED_TASKS
-from sapiens2_app.cli import UsageError
-from sapiens2_app.inference import TaskFailed, resolved
-from sapiens2_app.inputs import InputImage
-from sapiens2_app.models import LoadedModel, features_model, keypoint_names
-from sapiens2_app.safe_io import REPEATING_WRITE_ERRORS, atomic_write, check_writable, encode, os_error_text
+from sapiens2_app.predict import formats, pictures, tracking
+from sapiens2_app.common.artefacts import ARTEFACTS, MASKED_TASKS
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.predict.inference import TaskFailed, resolved
+from sapiens2_app.predict.inputs import InputImage
+from sapiens2_app.predict.models import LoadedModel, features_model, keypoint_names
+from sapiens2_app.common.safe_io import REPEATING_WRITE_ERRORS, atomic_write, check_writable, encode, os_error_text
 
 
 @dataclass

@@ -28,13 +28,13 @@ from typing import Callable
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.cli import one_line
-from sapiens2_app.inference import Inference, infer
-from sapiens2_app.inputs import InputImage
-from sapiens2_app.outputs import Outputs
-from sapiens2_app.reporting import Progress
-from sapiens2_app.safe_io import FOLDER_WRITE_ERRORS, os_error_text, probe_error
-from sapiens2_app.stages import Ahead, InOrder
+from sapiens2_app.common.cli import one_line
+from sapiens2_app.predict.inference import Inference, infer
+from sapiens2_app.predict.inputs import InputImage
+from sapiens2_app.predict.outputs import Outputs
+from sapiens2_app.common.reporting import Progress
+from sapiens2_app.common.safe_io import FOLDER_WRITE_ERRORS, os_error_text, probe_error
+from sapiens2_app.predict.stages import Ahead, InOrder
 
 DECODE_AHEAD = 2  # batches decoded ahead of the model
 WRITES_WAITING = 4  # images per worker whose files may wait to be written (bounds the memory they hold)

@@ -20,13 +20,13 @@ import torch
 from PIL import Image
 
 from sapiens2 import processing
-from sapiens2_app import formats, tracking
-from sapiens2_app.artefacts import overlay_suffix
-from sapiens2_app.boxes import frame_keys_past_the_end
-from sapiens2_app.inference import resolved
-from sapiens2_app.inputs import InputImage, frame_name, frame_of
-from sapiens2_app.pipeline import Run, StopRun
-from sapiens2_app.safe_io import atomic_write, hold, temporary_path
+from sapiens2_app.predict import formats, tracking
+from sapiens2_app.common.artefacts import overlay_suffix
+from sapiens2_app.predict.boxes import frame_keys_past_the_end
+from sapiens2_app.predict.inference import resolved
+from sapiens2_app.predict.inputs import InputImage, frame_name, frame_of
+from sapiens2_app.predict.pipeline import Run, StopRun
+from sapiens2_app.common.safe_io import atomic_write, hold, temporary_path
 
 ENCODERS = ("libx264", "mpeg4")  # H.264 where FFmpeg has it, else MPEG-4 part 2 (in every FFmpeg build)
 INSTALL_HINT = "pip install av  (or: pip install 'sapiens2[video]')"

@@ -24,11 +24,11 @@ import torch
 from PIL import Image, ImageDraw
 
 from sapiens2 import processing
-from sapiens2_app import pictures
-from sapiens2_app.outputs import stamp_random
-from sapiens2_app.safe_io import encode
-from sapiens2_app.serve_jobs import Job, ServeModels, Worker
-from sapiens2_app.serve_uploads import ClientError
+from sapiens2_app.predict import pictures
+from sapiens2_app.predict.outputs import stamp_random
+from sapiens2_app.common.safe_io import encode
+from sapiens2_app.serve.serve_jobs import Job, ServeModels, Worker
+from sapiens2_app.serve.serve_uploads import ClientError
 
 HEAT_MAP_SIDE = 640  # pixels, the longer side of a heat map (the photo is scaled down to it first)
 HEAT_MAP_OPACITY = 0.6

@@ -25,11 +25,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from sapiens2_app.cli import UsageError, one_line, parse_tasks
-from sapiens2_app.safe_io import json_text
-from sapiens2_app.serve_attention import Explorer
-from sapiens2_app.serve_jobs import Job, JobStore, ServeModels, Stopping, Worker
-from sapiens2_app.serve_uploads import MAX_IMAGES, MAX_PIXELS, ClientError, boundary_of, check_photo, \
+from sapiens2_app.common.cli import UsageError, one_line, parse_tasks
+from sapiens2_app.common.safe_io import json_text
+from sapiens2_app.serve.serve_attention import Explorer
+from sapiens2_app.serve.serve_jobs import Job, JobStore, ServeModels, Stopping, Worker
+from sapiens2_app.serve.serve_uploads import MAX_IMAGES, MAX_PIXELS, ClientError, boundary_of, check_photo, \
     parse_multipart, text_field
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -30,15 +30,15 @@ from urllib.parse import quote
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.artefacts import DEFAULT_KINDS
-from sapiens2_app.inference import Inference, infer
-from sapiens2_app.inputs import InputImage
-from sapiens2_app.models import LoadedModel
-from sapiens2_app.outputs import Outputs
-from sapiens2_app.pipeline import failure_report
-from sapiens2_app.reporting import utc_now
-from sapiens2_app.safe_io import atomic_write, lock_folder, remove_abandoned_staging
-from sapiens2_app.serve_uploads import CheckedPhoto, ClientError
+from sapiens2_app.common.artefacts import DEFAULT_KINDS
+from sapiens2_app.predict.inference import Inference, infer
+from sapiens2_app.predict.inputs import InputImage
+from sapiens2_app.predict.models import LoadedModel
+from sapiens2_app.predict.outputs import Outputs
+from sapiens2_app.predict.pipeline import failure_report
+from sapiens2_app.common.reporting import utc_now
+from sapiens2_app.common.safe_io import atomic_write, lock_folder, remove_abandoned_staging
+from sapiens2_app.serve.serve_uploads import CheckedPhoto, ClientError
 
 FOLDER_PREFIX = "sapiens2-serve-"
 CALLS_WAITING = 8  # attention requests waiting for the worker; more get 503

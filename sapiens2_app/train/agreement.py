@@ -20,9 +20,9 @@ import math
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.dense_metrics import angle_degrees, unit_vectors
-from sapiens2_app.pose_augmentation import apply_affine
-from sapiens2_app.pose_metrics import coco_keypoint_stats
+from sapiens2_app.train.dense_metrics import angle_degrees, unit_vectors
+from sapiens2_app.augment.pose_augmentation import apply_affine
+from sapiens2_app.train.pose_metrics import coco_keypoint_stats
 
 NAMES = {"seg": ("agree_mIoU", "agree_pixels"), "pose": ("agree_distance_px", "agree_AP"),
          "normal": ("agree_angle_deg",), "pointmap": ("agree_depth_rel",), "matting": ("agree_alpha_L1",),

@@ -13,9 +13,9 @@ import signal
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.cli import UsageError
-from sapiens2_app.datasets import collate
-from sapiens2_app.distributed import Distributed
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.train.datasets import collate
+from sapiens2_app.train.distributed import Distributed
 
 # The errors that are the user's (bad data or checkpoint, a missing file or data file of the installation):
 # train.py reports them as one `error:` line (exit status 2), and a data worker carries them back as one.

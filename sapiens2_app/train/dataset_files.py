@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from sapiens2 import processing
-from sapiens2_app.cli import UsageError
+from sapiens2_app.common.cli import UsageError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 IGNORE = 255  # the seg class id that the loss and the metrics skip

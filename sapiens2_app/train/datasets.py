@@ -29,16 +29,16 @@ from PIL import Image
 from sapiens2 import processing
 from sapiens2.heads import CANONICAL_FOCAL
 from sapiens2.losses import matting_foreground_target
-from sapiens2_app.cli import UsageError
-from sapiens2_app.dataset_files import (IGNORE, IMAGE_SUFFIXES, TARGET_FOLDERS, TARGET_SUFFIX, check_size,
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.train.dataset_files import (IGNORE, IMAGE_SUFFIXES, TARGET_FOLDERS, TARGET_SUFFIX, check_size,
                                         fit_intrinsics, flip_order, flip_pairs_from_names, header_size, keypoint_set,
                                         list_images, paired_files, read_annotations, read_class_ids, read_classes,
                                         read_intrinsics, read_npy, read_png, split_folder)
-from sapiens2_app.dense_augmentation import (box_intrinsics, continuous_crop, dense_pixels, dense_source_pixels,
+from sapiens2_app.augment.dense_augmentation import (box_intrinsics, continuous_crop, dense_pixels, dense_source_pixels,
                                              draw_dense, inside, resample_affine, resample_box, seg_geometry,
                                              source_points, whole_image_box)
-from sapiens2_app.pixel_augmentation import random_background
-from sapiens2_app.pose_dataset import MIN_VISIBLE_KEYPOINTS, PoseDataset
+from sapiens2_app.augment.pixel_augmentation import random_background
+from sapiens2_app.train.pose_dataset import MIN_VISIBLE_KEYPOINTS, PoseDataset
 
 # The task models' forward() arguments that a sample provides (besides pixel_values).
 LOSS_KEYS = {

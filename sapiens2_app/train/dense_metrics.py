@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sapiens2_app.dataset_files import IGNORE
+from sapiens2_app.train.dataset_files import IGNORE
 
 # The original NormalEvaluator's and PointmapEvaluator's defaults (what every released config uses).
 ANGLE_THRESHOLDS = (5.0, 11.25, 22.5, 30.0)  # degrees: within_5_0_deg ... within_30_0_deg

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from sapiens2 import processing
-from sapiens2_app import boxes as box_rules
-from sapiens2_app.cli import UsageError
-from sapiens2_app.dataset_files import (IMAGE_SUFFIXES, TARGET_FOLDERS, flip_order, list_images)
-from sapiens2_app.datasets import DenseDataset
-from sapiens2_app.inputs import InputImage
-from sapiens2_app.pose_augmentation import clip_box
-from sapiens2_app.pose_dataset import PoseDataset, body_halves
+from sapiens2_app.predict import boxes as box_rules
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.train.dataset_files import (IMAGE_SUFFIXES, TARGET_FOLDERS, flip_order, list_images)
+from sapiens2_app.train.datasets import DenseDataset
+from sapiens2_app.predict.inputs import InputImage
+from sapiens2_app.augment.pose_augmentation import clip_box
+from sapiens2_app.train.pose_dataset import PoseDataset, body_halves
 
 PEOPLE_FILE = "people.json"
 
@@ -143,7 +143,7 @@ def people_file(out: Path, root: Path, args, dist_info) -> dict:
 
 
 def load_detector(source: str, device):
-    from sapiens2_app import detector  # D-FINE: loaded only for a pose run without --boxes
+    from sapiens2_app.detector import detector  # D-FINE: loaded only for a pose run without --boxes
     try:
         return detector.load(source, device=device)
     except (ValueError, OSError) as error:
@@ -180,7 +180,7 @@ class PhotoPeople(PoseDataset):
 def build_datasets(task: str, root: Path, size, augment: bool, info: dict, people: dict | None):
     """(train, val, val is labelled): train/'s photos (or the folder's); val/ when present. people: pose's
     people_file."""
-    from sapiens2_app import datasets  # the labelled val set, as fine-tuning builds it
+    from sapiens2_app.train import datasets  # the labelled val set, as fine-tuning builds it
 
     train_folder, val_folder = photo_folder(root, "train"), photo_folder(root, "val")
     if task == "pose":

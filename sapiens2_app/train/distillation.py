@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from sapiens2 import heads, processing, weights
 from sapiens2.losses import MATTING_LOSSES, gradient_l2, keypoint_mse_loss, masked_pixel_mean
-from sapiens2_app import detector
-from sapiens2_app.cli import UsageError
-from sapiens2_app.dataset_files import known_keypoint_set
+from sapiens2_app.detector import detector
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.train.dataset_files import known_keypoint_set
 
 
 

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from sapiens2_app.cli import pick_device, rank_and_world
+from sapiens2_app.common.cli import pick_device, rank_and_world
 
 
 class Distributed:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from sapiens2 import PRESETS, heads
-from sapiens2_app.cli import UsageError
+from sapiens2_app.common.cli import UsageError
 
 
 # ----------------------------------------------------------------------------------------------------

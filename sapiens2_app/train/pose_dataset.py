@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.cli import UsageError
-from sapiens2_app.dataset_files import flip_order, header_size, keypoint_set, read_annotations
-from sapiens2_app.pose_augmentation import PoseDraws, clip_box, draw_pose, pose_crop, pose_pixels
-from sapiens2_app.targets import heatmap_sigma, udp_heatmaps
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.train.dataset_files import flip_order, header_size, keypoint_set, read_annotations
+from sapiens2_app.augment.pose_augmentation import PoseDraws, clip_box, draw_pose, pose_crop, pose_pixels
+from sapiens2_app.train.targets import heatmap_sigma, udp_heatmaps
 
 
 # ----------------------------------------------------------------------------------------------------

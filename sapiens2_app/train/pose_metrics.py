@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.pose_augmentation import apply_affine
+from sapiens2_app.augment.pose_augmentation import apply_affine
 
 COCO_KEYPOINT_STATS = ("AP", "AP .5", "AP .75", "AP (M)", "AP (L)", "AR", "AR .5", "AR .75", "AR (M)", "AR (L)")
 

@@ -28,13 +28,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sapiens2_app import formats
-from sapiens2_app.cli import UsageError
-from sapiens2_app.dataset_files import IMAGE_SUFFIXES
-from sapiens2_app.distillation import segmentation_names
-from sapiens2_app.inputs import InputImage
-from sapiens2_app.models import keypoint_names
-from sapiens2_app.safe_io import atomic_write, encode
+from sapiens2_app.predict import formats
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.train.dataset_files import IMAGE_SUFFIXES
+from sapiens2_app.train.distillation import segmentation_names
+from sapiens2_app.predict.inputs import InputImage
+from sapiens2_app.predict.models import keypoint_names
+from sapiens2_app.common.safe_io import atomic_write, encode
 
 VISIBLE_SCORE = 0.3  # the original demo's keypoint threshold (kpt_thr): a keypoint below it is not labelled
 TASK_FOLDERS = {"seg": "masks", "normal": "normals", "pointmap": "pointmaps", "matting": "alphas", "albedo": "albedo"}

@@ -9,8 +9,8 @@ from dataclasses import replace
 import torch
 
 from sapiens2 import Sapiens2, heads, weights
-from sapiens2_app import models
-from sapiens2_app.cli import UsageError
+from sapiens2_app.predict import models
+from sapiens2_app.common.cli import UsageError
 
 
 def new_head_config(task: str, out_channels: int, config, widths, like: heads.HeadConfig | None) -> heads.HeadConfig:

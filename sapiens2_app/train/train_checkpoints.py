@@ -14,9 +14,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from sapiens2 import heads, weights
-from sapiens2_app import safe_io
-from sapiens2_app.cli import UsageError, not_held
-from sapiens2_app.distributed import Distributed, fsdp2, unwrapped
+from sapiens2_app.common import safe_io
+from sapiens2_app.common.cli import UsageError, not_held
+from sapiens2_app.train.distributed import Distributed, fsdp2, unwrapped
 
 STATE_FILE, OPTIMIZER_FILE = "train_state.json", "optimizer.safetensors"
 STAGING_PREFIX = ".checkpoint."  # + the writer's pid + "." (staging folders: .checkpoint.PID.RANDOM.tmp)
