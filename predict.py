@@ -35,11 +35,11 @@ from sapiens2_app.predict import formats, models, tracking, video
 from sapiens2_app.common.artefacts import ARTEFACTS, DEFAULT_KINDS, KINDS, TASKS
 from sapiens2_app.predict.boxes import read_boxes_file, unmatched_boxes_warnings
 from sapiens2_app.common.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
-                              one_line, parse_size, parse_tasks, pick_device, pick_dtype, rank_and_world)
+                              one_line, parse_size, parse_tasks, pick_device, rank_and_world)
 from sapiens2_app.predict.inference import Inference
 from sapiens2_app.predict.inputs import IMAGE_SUFFIXES, InputImage, collect_inputs, is_video, output_names, shard
 from sapiens2_app.predict.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, describe_model,
-                                         keypoint_names, random_banner)
+                                         keypoint_names, pick_dtype, random_banner)
 from sapiens2_app.predict.outputs import Outputs, prepare_output_folder
 from sapiens2_app.predict.pipeline import Run, StopRun, failure_report
 from sapiens2_app.train.pseudo_labels import TrainingData

@@ -897,6 +897,12 @@ def _newton_offset(log_values: torch.Tensor) -> torch.Tensor:
     return torch.stack([offset_x, offset_y], dim=-1)
 
 
+def apply_affine(matrix: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """(N, 2) points through the (3, 3) affine `matrix`, e.g. keypoints from a crop's pixels to the photo's (a
+    training sample's to_source map)."""
+    return points @ matrix[:2, :2].T + matrix[:2, 2]
+
+
 def heatmap_to_image_coords(keypoints: torch.Tensor, boxes_xywh: torch.Tensor, heatmap_size: tuple[int, int],
                             size: tuple[int, int] = MODEL_SIZE, padding: float = CROP_PADDING) -> torch.Tensor:
     """Keypoints `(N, K, 2)` in heatmap pixels -> source-image pixels (UDP: the heatmap's corner pixels map

@@ -29,8 +29,9 @@ from sapiens2_app.detector import detector
 from sapiens2_app.predict import models
 from sapiens2_app.common.artefacts import TASKS
 from sapiens2_app.common.cli import (OneLineErrorParser, StopSignals, UsageError, number_in, parse_size, parse_tasks,
-                              pick_device, pick_dtype)
-from sapiens2_app.predict.models import CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, random_banner
+                              pick_device)
+from sapiens2_app.predict.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, pick_dtype,
+                                         random_banner)
 from sapiens2_app.common.safe_io import signals_deferred
 from sapiens2_app.serve.serve_attention import Explorer
 from sapiens2_app.serve.serve_http import LOOPBACK_NAMES, App, Service, limits_json

@@ -24,16 +24,20 @@ ALLOWED = {
 MAX_MODULES = 15  # a folder a reader can take in at once
 
 
-def app_imports(path: Path) -> set[str]:
-    """The sapiens2_app modules a file imports, as dotted names (`from sapiens2_app.predict import video` ->
-    sapiens2_app.predict.video)."""
+def imported_names(path: Path) -> set[str]:
+    """What a file imports, as dotted names (`from sapiens2_app.predict import video` -> sapiens2_app.predict.video,
+    `from sapiens2 import weights` -> sapiens2.weights)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in names if name.split(".")[0] == "sapiens2_app"}
+    return names
+
+
+def app_imports(path: Path) -> set[str]:
+    return {name for name in imported_names(path) if name.split(".")[0] == "sapiens2_app"}
 
 
 def folder_of(module: str) -> str | None:
@@ -61,6 +65,18 @@ def test_each_folder_imports_only_what_its_rule_allows():
                 if target != folder and target not in allowed:
                     wrong.append(f"sapiens2_app/{folder}/{path.name} imports {module}")
     assert not wrong, "imports across the folder rules (tests/test_app_layout.py ALLOWED):\n" + "\n".join(wrong)
+
+
+def test_the_cross_concern_arrows_stay_away():
+    """Arrows the folders allow but the concerns do not: the shared command-line and file code loads no model
+    (weights.py), the random draws know no pixel operation, and the metrics augment nothing (the affine map that
+    takes a crop's keypoints to the photo is processing.apply_affine)."""
+    rules = {"common/*.py": ("sapiens2.weights",), "augment/random_draws.py": ("sapiens2_app.",),
+             "train/pose_metrics.py": ("sapiens2_app.augment",), "train/agreement.py": ("sapiens2_app.augment",)}
+    wrong = [f"sapiens2_app/{path.relative_to(APP).as_posix()} imports {name}"
+             for pattern, banned in rules.items() for path in sorted(APP.glob(pattern))
+             for name in sorted(imported_names(path)) if name.startswith(banned)]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_folder_rules_have_no_circle():

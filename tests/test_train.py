@@ -331,7 +331,7 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
         assert torch.equal(sample["keypoints"], expected)
         peaks, _ = processing.decode_heatmaps(sample["labels"][None])
         scale = torch.tensor([95 / 23, 127 / 31])
-        in_photo = pose_augmentation.apply_affine(sample["to_source"], peaks[0] * scale)
+        in_photo = processing.apply_affine(sample["to_source"], peaks[0] * scale)
         inner = (peaks[0] >= 1).all(-1) & (peaks[0][:, 0] <= 22) & (peaks[0][:, 1] <= 30)  # DARK is biased at edges
         seen = (sample["label_weights"] > 0) & inner
         assert seen.sum() >= 4  # a half-body crop (the lower half: 6 keypoints) or a zoom may leave some out

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from sapiens2 import processing
-from sapiens2_app.augment.pixel_augmentation import (Photometric, down_up, gaussian_blur, gaussian_noise,
+from sapiens2_app.augment.pixel_augmentation import (down_up, gaussian_blur, gaussian_noise,
                                              photometric_distortion, solarize)
-from sapiens2_app.augment.random_draws import chance, draw_photometric, randint, uniform
+from sapiens2_app.augment.random_draws import Photometric, chance, draw_photometric, randint, uniform
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,17 +1,17 @@
 """Pixel-level augmentations of the original's train_pipelines, in torch, on uint8 grey levels held in float tensors
 (3, H, W), RGB, computed as OpenCV computes them: photometric distortion (its 8-bit HSV), box, median and Gaussian
 blur, noise, solarize, down-up sampling, coarse dropout and the seg random background (its 8-bit Lab). No
-randomness here: pose_augmentation.py and dense_augmentation.py draw every choice and pass it in."""
+randomness here: pose_augmentation.py and dense_augmentation.py draw every choice (random_draws.py) and pass it in."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from sapiens2 import processing
+from sapiens2_app.augment.random_draws import Photometric
 
 SOLARIZE_THRESHOLD = 128  # RandomSolarize, common_transforms.py:405
 
@@ -19,16 +19,6 @@ SOLARIZE_THRESHOLD = 128  # RandomSolarize, common_transforms.py:405
 # ----------------------------------------------------------------------------------------------------
 # Photometric distortion (PhotoMetricDistortion, engine/datasets/transforms/common_transforms.py:72-146)
 # ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Photometric:
-    """PhotoMetricDistortion's choices (engine/datasets/transforms/common_transforms.py:72); None: part skipped."""
-    brightness: float | None  # added, in [-32, 32]
-    contrast: float | None  # factor in [0.5, 1.5]
-    contrast_first: bool  # contrast before saturation and hue (its `mode == 1`), else after them
-    saturation: float | None  # factor on HSV's S in [0.5, 1.5]
-    hue: int | None  # added to HSV's H (0..179), in [-18, 18]
-
-
 def saturate_linear(image: torch.Tensor, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
     """PhotoMetricDistortion.convert: float32 image * alpha + beta, clipped to 0..255 and truncated to uint8."""
     return (image.float() * alpha + beta).clamp(0, 255).trunc()

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from sapiens2 import processing
-from sapiens2_app.augment.pixel_augmentation import (Photometric, box_blur, coarse_dropout, median_blur,
+from sapiens2_app.augment.pixel_augmentation import (box_blur, coarse_dropout, median_blur,
                                                      photometric_distortion)
-from sapiens2_app.augment.random_draws import chance, draw_photometric, randint, truncated_normal, uniform
+from sapiens2_app.augment.random_draws import Photometric, chance, draw_photometric, randint, truncated_normal, uniform
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -40,17 +40,13 @@ def invert_affine(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.inv(matrix.double()).float()
 
 
-def apply_affine(matrix: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    return points @ matrix[:2, :2].T + matrix[:2, 2]
-
-
 def warp(image: torch.Tensor, to_source: torch.Tensor, size, upscale: bool) -> torch.Tensor:
     """(3, H, W) float -> (3, *size): grid_sample(align_corners=True) as processing.crop_people (bicubic when
     the crop is enlarged, else bilinear; zeros outside)."""
     h, w = image.shape[-2:]
     gy, gx = torch.meshgrid(torch.arange(size[0], dtype=torch.float32), torch.arange(size[1], dtype=torch.float32),
                             indexing="ij")
-    source = apply_affine(to_source, torch.stack([gx, gy], -1).reshape(-1, 2)).reshape(*size, 2)
+    source = processing.apply_affine(to_source, torch.stack([gx, gy], -1).reshape(-1, 2)).reshape(*size, 2)
     grid = torch.stack([2 * source[..., 0] / max(w - 1, 1) - 1, 2 * source[..., 1] / max(h - 1, 1) - 1], -1)[None]
     mode = "bicubic" if upscale else "bilinear"
     return F.grid_sample(image[None], grid, mode=mode, padding_mode="zeros", align_corners=True)[0]

@@ -4,9 +4,19 @@ and the photometric distortion's choices, which the pose and the dense pipelines
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sapiens2_app.augment.pixel_augmentation import Photometric
+
+@dataclass(frozen=True)
+class Photometric:
+    """PhotoMetricDistortion's choices (engine/datasets/transforms/common_transforms.py:72); None: part skipped."""
+    brightness: float | None  # added, in [-32, 32]
+    contrast: float | None  # factor in [0.5, 1.5]
+    contrast_first: bool  # contrast before saturation and hue (its `mode == 1`), else after them
+    saturation: float | None  # factor on HSV's S in [0.5, 1.5]
+    hue: int | None  # added to HSV's H (0..179), in [-18, 18]
 
 
 def uniform(generator: torch.Generator, low: float, high: float) -> float:

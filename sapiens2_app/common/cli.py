@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from sapiens2 import Sapiens2Config, weights
+from sapiens2 import Sapiens2Config
 from sapiens2_app.common.artefacts import TASKS
 
 PATCH_SIZE = Sapiens2Config.patch_size
@@ -117,15 +117,6 @@ def pick_device(name: str | None) -> torch.device:
         # Made current: Triton launches its kernels, and torch allocates a bare "cuda", on the current device.
         torch.cuda.set_device(device)
     return device
-
-
-def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """--dtype, else bf16 on GPUs that support it, else fp32."""
-    if name:
-        return weights.parse_dtype(name)
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ try:
 except ImportError:  # Windows: no flock; held temporaries fall under the 10-minute rule
     fcntl = None
 
-from sapiens2.weights import new_file_mode
 
 # zlib effort of the PNG outputs. Pillow's default, 6, took 5x longer on a 1440x1080 normal picture (770 ms against
 # 150 ms on one core) for a 20% smaller file; the pixels are the same at any level (PNG is lossless).
@@ -57,10 +56,11 @@ def atomic_write(path: Path, value):
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = temporary_path(path)
     try:
-        with open(temp, "xb"):  # exclusive: fails rather than share a name
+        # Exclusive: fails rather than share a name. open() creates it with the umask's mode, which the bytes written
+        # next keep: every output gets the mode a plain open() would give it (no mkstemp-like 0600).
+        with open(temp, "xb"):
             pass
         write_value(temp, value, path.suffix)
-        os.chmod(temp, new_file_mode())  # mkstemp-like modes nowhere: every output gets the umask's mode
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # a read-only file system refuses even that; the write error matters

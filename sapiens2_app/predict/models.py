@@ -49,6 +49,15 @@ class LoadedModel:
 # ----------------------------------------------------------------------------------------------------
 # Everything a run on photos loads (predict.py, serve.py)
 # ----------------------------------------------------------------------------------------------------
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """--dtype, else bf16 on GPUs that support it, else fp32."""
+    if name:
+        return weights.parse_dtype(name)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
 def load_for_tasks(choice: ModelChoice, tasks: list[str], device, dtype, detector_source: str | None,
                    mask_with_seg: bool = False, size: tuple[int, int] | None = None, flip: bool = True
                    ) -> tuple[dict[str, LoadedModel], detector.PersonDetector | None, str | None]:

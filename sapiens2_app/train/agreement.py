@@ -21,7 +21,6 @@ import torch
 
 from sapiens2 import processing
 from sapiens2_app.train.dense_metrics import angle_degrees, unit_vectors
-from sapiens2_app.augment.pose_augmentation import apply_affine
 from sapiens2_app.train.pose_metrics import coco_keypoint_stats
 
 NAMES = {"seg": ("agree_mIoU", "agree_pixels"), "pose": ("agree_distance_px", "agree_AP"),
@@ -104,7 +103,8 @@ def image_keypoints(heatmaps: torch.Tensor, batch: dict) -> torch.Tensor:
     locations, _ = processing.decode_heatmaps(heatmaps)
     size = batch["pixel_values"].shape[-2:]
     scale = torch.tensor([(size[1] - 1) / (heatmaps.shape[-1] - 1), (size[0] - 1) / (heatmaps.shape[-2] - 1)])
-    return torch.stack([apply_affine(m, p * scale) for m, p in zip(batch["to_source"], locations)]).double()
+    to_photo = [processing.apply_affine(m, p * scale) for m, p in zip(batch["to_source"], locations)]
+    return torch.stack(to_photo).double()
 
 
 def pose_ap(student: torch.Tensor, teacher: torch.Tensor, people: list[dict], sigmas) -> float:

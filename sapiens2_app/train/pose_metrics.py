@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from sapiens2 import processing
-from sapiens2_app.augment.pose_augmentation import apply_affine
 
 COCO_KEYPOINT_STATS = ("AP", "AP .5", "AP .75", "AP (M)", "AP (L)", "AR", "AR .5", "AR .75", "AR (M)", "AR (L)")
 
@@ -51,7 +50,8 @@ class PoseEvaluation:
         locations, scores = processing.decode_heatmaps(heatmaps)
         size = batch["pixel_values"].shape[-2:]
         scale = torch.tensor([(size[1] - 1) / (heatmaps.shape[-1] - 1), (size[0] - 1) / (heatmaps.shape[-2] - 1)])
-        predicted = torch.stack([apply_affine(m, p * scale) for m, p in zip(batch["to_source"], locations.cpu())])
+        predicted = torch.stack([processing.apply_affine(m, p * scale)
+                                 for m, p in zip(batch["to_source"], locations.cpu())])
         rows = torch.cat([predicted, scores.cpu()[..., None]], -1).double()  # (B, K, 3)
         for row, index in zip(rows[valid.bool()], torch.as_tensor(indices)[valid.bool()]):
             self.sums[index] = row
