@@ -15,9 +15,9 @@ OUT/ holds model.safetensors + config.json (what weights.load and `predict.py --
 optimizer state (optimizer.safetensors + train_state.json: no pickle), log.jsonl (one line per logged
 step and per evaluation).
 
-This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/: the
-datasets (datasets.py, pose_dataset.py, dataset_files.py, dense_augmentation.py, pose_augmentation.py,
-random_draws.py, pixel_augmentation.py, targets.py), what each process reads (data_loading.py), the model it starts
+This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/train/: the
+datasets (datasets.py, pose_dataset.py, dataset_files.py, targets.py; their augmentations in sapiens2_app/augment/:
+dense_augmentation.py, pose_augmentation.py, pixel_augmentation.py, random_draws.py), what each process reads (data_loading.py), the model it starts
 from (starting_model.py), the processes (distributed.py), the optimizer and schedule (optimization.py), the
 checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py, dense_metrics.py); with --teacher, the teacher,
 its targets and losses (distillation.py), the photos (distill_data.py) and the agreement metrics (agreement.py).
