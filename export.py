@@ -54,11 +54,11 @@ import torch
 from torch import nn
 
 from sapiens2 import PRESETS, Sapiens2, heads, weights
-from sapiens2_app import safe_io
-from sapiens2_app.artefacts import TASKS
-from sapiens2_app.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
+from sapiens2_app.common import safe_io
+from sapiens2_app.common.artefacts import TASKS
+from sapiens2_app.common.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
                               parse_size)
-from sapiens2_app.models import CONVENTIONS, RANDOM_INIT, load_or_random, model_source, random_weights_banner
+from sapiens2_app.predict.models import CONVENTIONS, RANDOM_INIT, load_or_random, model_source, random_weights_banner
 
 # The outputs of each task, in the order of the artifact's outputs (names of the task model's output fields).
 OUTPUTS = {

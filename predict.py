@@ -6,14 +6,14 @@
     python predict.py pose photos/ --boxes boxes.json          # your own person boxes (COCO xywh)
     python predict.py normal photos/ --model 1b --mask-with-seg
     torchrun --nproc-per-node 8 predict.py seg,pose photos/ -o out/   # each GPU takes its share
-    python predict.py pose clip.mp4 -o out/ --smooth           # videos (sapiens2_app/video.py): frames, overlays, track ids
+    python predict.py pose clip.mp4 -o out/ --smooth           # videos (sapiens2_app/predict/video.py): frames, overlays, track ids
 
 Tasks: seg, pose, normal, pointmap, matting, albedo, features. Outputs are mirrored under OUT by input path
-(`photos/a/b.jpg` -> `out/a/b.seg.png`, ...; see sapiens2_app/artefacts.py), plus a `run.json` manifest. A bad image is
+(`photos/a/b.jpg` -> `out/a/b.seg.png`, ...; see sapiens2_app/common/artefacts.py), plus a `run.json` manifest. A bad image is
 reported and skipped; the run goes on. Exit status: 0 all good, 1 some images failed (single process only)
 or the run stopped (disk full, OUT read-only), 2 nothing could run (bad arguments, inputs, OUT or checkpoints).
 
-Pose is top-down: person boxes come from `--boxes`, else from a person detector (sapiens2_app/detector.py, D-FINE; or
+Pose is top-down: person boxes come from `--boxes`, else from a person detector (sapiens2_app/detector/detector.py, D-FINE; or
 `--detector seg`: the segmentation's foreground blobs), else the whole image. The flip test is on by default,
 as in the original demo.
 """
@@ -32,22 +32,23 @@ from pathlib import Path
 from PIL import Image
 
 from sapiens2 import PRESETS, processing
-from sapiens2_app import detector, formats, models, tracking, video
-from sapiens2_app.artefacts import ARTEFACTS, DEFAULT_KINDS, KINDS, TASKS
-from sapiens2_app.boxes import read_boxes_file, unmatched_boxes_warnings
-from sapiens2_app.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
-                              one_line, parse_size, parse_tasks, pick_device, pick_dtype, rank_and_world)
-from sapiens2_app.inference import Inference
-from sapiens2_app.inputs import IMAGE_SUFFIXES, InputImage, collect_inputs, is_video, output_names, shard
-from sapiens2_app.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, describe_model, keypoint_names,
-                                 random_banner)
-from sapiens2_app.outputs import Outputs, prepare_output_folder
-from sapiens2_app.pipeline import Run, StopRun, failure_report
-from sapiens2_app.pseudo_labels import TrainingData
-from sapiens2_app.reporting import (Progress, finish_manifest, manifest_path, manifest_reserve, utc_now,
+from sapiens2_app.detector import detector
+from sapiens2_app.predict import formats, models, tracking, video
+from sapiens2_app.common.artefacts import ARTEFACTS, DEFAULT_KINDS, KINDS, TASKS
+from sapiens2_app.predict.boxes import read_boxes_file, unmatched_boxes_warnings
+from sapiens2_app.common.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
+                              one_line, parse_size, parse_tasks, pick_device, rank_and_world)
+from sapiens2_app.predict.inference import Inference
+from sapiens2_app.predict.inputs import IMAGE_SUFFIXES, InputImage, collect_inputs, is_video, output_names, shard
+from sapiens2_app.predict.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, describe_model,
+                                         keypoint_names, pick_dtype, random_banner)
+from sapiens2_app.predict.outputs import Outputs, prepare_output_folder
+from sapiens2_app.predict.pipeline import Run, StopRun, failure_report
+from sapiens2_app.train.pseudo_labels import TrainingData
+from sapiens2_app.common.reporting import (Progress, finish_manifest, manifest_path, manifest_reserve, utc_now,
                                     write_final_manifest, write_manifest)
-from sapiens2_app.runtime_info import versions
-from sapiens2_app.safe_io import atomic_write, os_error_text, remove_stale_temporaries
+from sapiens2_app.common.runtime_info import versions
+from sapiens2_app.common.safe_io import atomic_write, os_error_text, remove_stale_temporaries
 
 MAX_BATCH_SIZE = 1024
 MAX_WORKERS = 64

@@ -1,7 +1,7 @@
 """Pre- and post-processing for every Sapiens2 task, and the keypoint/class metadata they share with heads.py.
 
-Images in, tensors out; model outputs in, results out (pictures of them: sapiens2_app/pictures.py; COCO files:
-sapiens2_app/formats.py). torch + numpy + pillow only, no model code (the default input and patch size are read
+Images in, tensors out; model outputs in, results out (pictures of them: sapiens2_app/predict/pictures.py; COCO files:
+sapiens2_app/predict/formats.py). torch + numpy + pillow only, no model code (the default input and patch size are read
 from sapiens2.Sapiens2Config, their one home).
 
 Data layout
@@ -917,6 +917,12 @@ def _newton_offset(log_values: torch.Tensor) -> torch.Tensor:
     offset_x = (hess_yy * grad_x - hess_xy * grad_y) / determinant
     offset_y = (-hess_xy * grad_x + hess_xx * grad_y) / determinant
     return torch.stack([offset_x, offset_y], dim=-1)
+
+
+def apply_affine(matrix: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """(N, 2) points through the (3, 3) affine `matrix`, e.g. keypoints from a crop's pixels to the photo's (a
+    training sample's to_source map)."""
+    return points @ matrix[:2, :2].T + matrix[:2, 2]
 
 
 def heatmap_to_image_coords(keypoints: torch.Tensor, boxes_xywh: torch.Tensor, heatmap_size: tuple[int, int],

@@ -6,10 +6,10 @@
     python serve.py --model albedo=my_albedo.safetensors    # adds albedo, from your checkpoint
     python serve.py --random-init always --random-backbone 0.1b   # nothing downloaded: random weights, said loudly
 
-The page (sapiens2_app/static/) drops photos onto the server and shows each task's pictures as they are made; every
+The page (sapiens2_app/serve/static/) drops photos onto the server and shows each task's pictures as they are made; every
 file predict.py would write can be downloaded, byte for byte the same, and for each photo an attention explorer
 shows the attention of any patch, the CLS token or a register, per block and head, and the token norms per block.
-The page uses only the HTTP API that scripts can use too (docs/serve.md). The modules: sapiens2_app/serve_http.py
+The page uses only the HTTP API that scripts can use too (docs/serve.md). The modules: sapiens2_app/serve/serve_http.py
 (routes and request checks), serve_uploads.py (multipart, photo checks), serve_jobs.py (jobs, the worker, expiry),
 serve_attention.py (attention rows, heat maps, token norms).
 
@@ -26,15 +26,17 @@ import os
 import sys
 
 from sapiens2 import PRESETS, processing
-from sapiens2_app import detector, models
-from sapiens2_app.artefacts import TASKS
-from sapiens2_app.cli import (OneLineErrorParser, StopSignals, UsageError, number_in, parse_size, parse_tasks,
-                              pick_device, pick_dtype)
-from sapiens2_app.models import CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, random_banner
-from sapiens2_app.safe_io import signals_deferred
-from sapiens2_app.serve_attention import Explorer
-from sapiens2_app.serve_http import LOOPBACK_NAMES, App, Service, limits_json
-from sapiens2_app.serve_jobs import JobStore, ServeModels, Worker
+from sapiens2_app.detector import detector
+from sapiens2_app.predict import models
+from sapiens2_app.common.artefacts import TASKS
+from sapiens2_app.common.cli import (OneLineErrorParser, StopSignals, UsageError, number_in, parse_size, parse_tasks,
+                              pick_device)
+from sapiens2_app.predict.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, ModelChoice, pick_dtype,
+                                         random_banner)
+from sapiens2_app.common.safe_io import signals_deferred
+from sapiens2_app.serve.serve_attention import Explorer
+from sapiens2_app.serve.serve_http import LOOPBACK_NAMES, App, Service, limits_json
+from sapiens2_app.serve.serve_jobs import JobStore, ServeModels, Worker
 
 DEFAULT_TASKS = "seg,normal,pointmap,pose"
 DEFAULT_PORT = 8765

@@ -7,7 +7,7 @@
     python train.py seg --data my_seg/ -o runs/seg1 --resume                       # continue where it stopped
     python train.py seg --teacher seg-1b --model 0.1b --data photos/ -o runs/s01   # distill: photos, no labels
 
-Data formats: sapiens2_app/datasets.py and docs/training.md. Scale-out is PyTorch's: torchrun + DDP, or
+Data formats: sapiens2_app/train/datasets.py and docs/training.md. Scale-out is PyTorch's: torchrun + DDP, or
 FSDP2 (`fully_shard`) with --fsdp. `--batch-size` is per process; the global batch is batch x processes x
 --accumulate, and the same global batch and seed give the same training on any number of processes.
 
@@ -15,9 +15,9 @@ OUT/ holds model.safetensors + config.json (what weights.load and `predict.py --
 optimizer state (optimizer.safetensors + train_state.json: no pickle), log.jsonl (one line per logged
 step and per evaluation).
 
-This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/: the
-datasets (datasets.py, pose_dataset.py, dataset_files.py, dense_augmentation.py, pose_augmentation.py,
-random_draws.py, pixel_augmentation.py, targets.py), what each process reads (data_loading.py), the model it starts
+This file is the command and the run's outline (setup, then the loop); the parts are in sapiens2_app/train/: the
+datasets (datasets.py, pose_dataset.py, dataset_files.py, targets.py; their augmentations in sapiens2_app/augment/:
+dense_augmentation.py, pose_augmentation.py, pixel_augmentation.py, random_draws.py), what each process reads (data_loading.py), the model it starts
 from (starting_model.py), the processes (distributed.py), the optimizer and schedule (optimization.py), the
 checkpoints (train_checkpoints.py) and the metrics (pose_metrics.py, dense_metrics.py); with --teacher, the teacher,
 its targets and losses (distillation.py), the photos (distill_data.py) and the agreement metrics (agreement.py).
@@ -37,19 +37,19 @@ from pathlib import Path
 import torch
 
 from sapiens2 import PRESETS, heads, processing
-from sapiens2_app import (dataset_files, datasets, distill_data, distillation, distributed, optimization,
-                          pose_dataset, starting_model, train_checkpoints)
-from sapiens2_app.agreement import NAMES as AGREEMENT_NAMES
-from sapiens2_app.agreement import Agreement
-from sapiens2_app.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
-from sapiens2_app.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
-from sapiens2_app.dense_metrics import Metric, dense_metric_names
-from sapiens2_app.distributed import Distributed
-from sapiens2_app.models import RANDOM_INIT
-from sapiens2_app.pose_metrics import COCO_KEYPOINT_STATS, PoseEvaluation
-from sapiens2_app.reporting import Progress
-from sapiens2_app.safe_io import check_writable, json_text, os_error_text
-from sapiens2_app.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored
+from sapiens2_app.train import (dataset_files, datasets, distill_data, distillation, distributed, optimization,
+                                pose_dataset, starting_model, train_checkpoints)
+from sapiens2_app.train.agreement import NAMES as AGREEMENT_NAMES
+from sapiens2_app.train.agreement import Agreement
+from sapiens2_app.common.cli import INTERRUPTED, OneLineErrorParser, StopSignals, UsageError, number_in, parse_size
+from sapiens2_app.train.data_loading import USER_ERRORS, Batches, StepSampler, data_loader, eval_batches
+from sapiens2_app.train.dense_metrics import Metric, dense_metric_names
+from sapiens2_app.train.distributed import Distributed
+from sapiens2_app.predict.models import RANDOM_INIT
+from sapiens2_app.train.pose_metrics import COCO_KEYPOINT_STATS, PoseEvaluation
+from sapiens2_app.common.reporting import Progress
+from sapiens2_app.common.safe_io import check_writable, json_text, os_error_text
+from sapiens2_app.train.train_checkpoints import STATE_FILE, TrainingStopped, kept_checkpoint, read_state, stored
 
 LOG_FILE = "log.jsonl"
 MAX_SEED = 2**32 - 1  # (the sampler and the augmentations derive their seeds from it in 64 bits)

@@ -29,14 +29,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))  # after the root, so bench/kernels.py cannot shadow kernels/
 
-from sapiens2_app import detector  # noqa: E402
-from sapiens2_app.dfine import DFine  # noqa: E402
-from sapiens2_app.dfine_backbone import SelfAttention  # noqa: E402
-from sapiens2_app.dfine_config import DFineConfig  # noqa: E402
+from sapiens2_app.detector import detector  # noqa: E402
+from sapiens2_app.detector.dfine import DFine  # noqa: E402
+from sapiens2_app.detector.dfine_backbone import SelfAttention  # noqa: E402
+from sapiens2_app.detector.dfine_config import DFineConfig  # noqa: E402
 from e2e_measure import device_name, device_slug, time_calls  # noqa: E402
 from e2e_models import DTYPES, build_ours, count_flops  # noqa: E402
-from sapiens2_app import safe_io  # noqa: E402
-from sapiens2_app.runtime_info import versions  # noqa: E402
+from sapiens2_app.common import safe_io  # noqa: E402
+from sapiens2_app.common.runtime_info import versions  # noqa: E402
 
 # The released COCO architectures (transformers' conversion script; every other field is DFineConfig's default).
 _B0 = dict(stem_channels=[3, 16, 16], stage_in_channels=[16, 64, 256, 512], stage_mid_channels=[16, 32, 64, 128],

@@ -40,8 +40,8 @@ sys.path.append(str(ROOT / "bench"))  # after the root, so bench/kernels.py cann
 from sapiens2 import Sapiens2Config, heads, weights  # noqa: E402
 from e2e_measure import cpu_allocation_peak_mb, device_name, device_slug, time_calls  # noqa: E402
 from e2e_models import DTYPES, count_flops  # noqa: E402
-from sapiens2_app import safe_io  # noqa: E402
-from sapiens2_app.runtime_info import versions  # noqa: E402
+from sapiens2_app.common import safe_io  # noqa: E402
+from sapiens2_app.common.runtime_info import versions  # noqa: E402
 
 STUDENT = "0.1b"
 

@@ -84,8 +84,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))  # the e2e_* parts; after the root, so bench/kernels.py cannot shadow kernels/
 
-from sapiens2_app import safe_io  # noqa: E402
-from sapiens2_app.runtime_info import versions  # noqa: E402
+from sapiens2_app.common import safe_io  # noqa: E402
+from sapiens2_app.common.runtime_info import versions  # noqa: E402
 from e2e_child import run_child  # noqa: E402
 from e2e_compare import compare_group  # noqa: E402
 from e2e_jobs import SUITES, group_key, job_key, outputs_file, plan, run_job, split_groups  # noqa: E402

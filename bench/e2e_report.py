@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from sapiens2_app.runtime_info import device_peaks
+from sapiens2_app.common.runtime_info import device_peaks
 from e2e_jobs import group_key
 from e2e_models import IMPLS, MODELS
 

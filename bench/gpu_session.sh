@@ -133,7 +133,7 @@ else
 fi
 # The versions every later step imports (after the wheel install; transformers has Sapiens2 from 5.23.0).
 timeout 16 "$PY" -c "import json, sys; sys.path.insert(0, '.')
-from sapiens2_app import runtime_info
+from sapiens2_app.common import runtime_info
 print('versions', json.dumps(runtime_info.versions()))" 2>&1 | tee -a "$LOG"
 FORCED=$(timeout 15 "$PY" bench/kernels.py --list-forced 2>>"$LOG" | tr '\n' ' ')
 n_forced=$(wc -w <<<"$FORCED")

@@ -55,7 +55,7 @@ from sapiens2.kernels import attention_triton as attention_triton  # noqa: E402
 from sapiens2.kernels import attention_triton_hopper as attention_triton_hopper  # noqa: E402
 from sapiens2.kernels.grid_triton import config_label  # noqa: E402
 from sapiens2.kernels import qk_norm_rope_triton as qk_norm_rope_triton  # noqa: E402
-from sapiens2_app import safe_io  # noqa: E402
+from sapiens2_app.common import safe_io  # noqa: E402
 
 PRESET_NAMES = ("0.4b", "0.8b", "1b", "5b")
 IMAGE = (1024, 768)

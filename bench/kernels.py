@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from sapiens2 import PRESETS  # noqa: E402
 from sapiens2.kernels import attention_reference, qk_norm_rope_reference  # noqa: E402
-from sapiens2_app import safe_io  # noqa: E402
-from sapiens2_app.runtime_info import device_peaks, versions  # noqa: E402
+from sapiens2_app.common import safe_io  # noqa: E402
+from sapiens2_app.common.runtime_info import device_peaks, versions  # noqa: E402
 
 IMAGE = (1024, 768)
 

@@ -57,8 +57,9 @@ from sapiens2 import heads  # noqa: E402
 import predict  # noqa: E402
 from sapiens2 import processing  # noqa: E402
 from sapiens2 import Sapiens2Config  # noqa: E402
-from sapiens2_app import inference, models, outputs, safe_io  # noqa: E402
-from sapiens2_app.runtime_info import versions  # noqa: E402
+from sapiens2_app.common import safe_io  # noqa: E402
+from sapiens2_app.predict import inference, models, outputs  # noqa: E402
+from sapiens2_app.common.runtime_info import versions  # noqa: E402
 
 MODEL_SIZE = (1024, 768)
 # What stays on the host when the model's device is a GPU (preprocess and postprocess run on the device)

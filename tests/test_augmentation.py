@@ -19,10 +19,11 @@ import torch
 from PIL import Image
 
 from sapiens2 import processing
-from sapiens2_app import datasets, dense_augmentation, pixel_augmentation, pose_augmentation, pose_dataset, targets
-from sapiens2_app.dataset_files import TARGET_FOLDERS
-from sapiens2_app.pixel_augmentation import Photometric
-from sapiens2_app.pose_augmentation import PoseDraws
+from sapiens2_app.augment import dense_augmentation, pixel_augmentation, pose_augmentation
+from sapiens2_app.train import datasets, pose_dataset, targets
+from sapiens2_app.train.dataset_files import TARGET_FOLDERS
+from sapiens2_app.augment.random_draws import Photometric
+from sapiens2_app.augment.pose_augmentation import PoseDraws
 
 SIZE = (64, 48)  # network (H, W)
 

@@ -191,7 +191,7 @@ def test_launchers_run_on_their_tensors_device(gpu, monkeypatch):
 
 def test_a_chosen_cuda_device_is_made_current(monkeypatch):
     """--device cuda:N, and cuda:LOCAL_RANK under torchrun, become the current device (Triton launches there)."""
-    from sapiens2_app import cli
+    from sapiens2_app.common import cli
 
     made_current = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -13,8 +13,8 @@ from sapiens2 import heads
 import predict
 from sapiens2 import Sapiens2Config, processing, weights
 from sapiens2.processing import keypoint_metadata, segmentation_metadata
-from sapiens2_app import formats, inputs, outputs, pictures
-from sapiens2_app.models import LoadedModel
+from sapiens2_app.predict import formats, inputs, outputs, pictures
+from sapiens2_app.predict.models import LoadedModel
 
 COCO17 = processing.coco17_names()
 OWN5 = ("head_top", "chin", "left_fin", "right_fin", "tail")

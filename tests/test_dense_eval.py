@@ -18,7 +18,7 @@ from PIL import Image
 
 from sapiens2 import heads, losses
 import train
-from sapiens2_app import dense_metrics, datasets
+from sapiens2_app.train import dense_metrics, datasets
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import original_dense_evaluators as original  # noqa: E402

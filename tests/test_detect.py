@@ -1,4 +1,4 @@
-"""sapiens2_app/dfine.py, dfine_backbone.py and detector.py: the D-FINE port against transformers 5.23 on tiny
+"""sapiens2_app/detector/dfine.py, dfine_backbone.py and detector.py: the D-FINE port against transformers 5.23 on tiny
 random configs, pre/post-processing against transformers' RTDetrImageProcessor, strict loading, and predict.py's
 --detector.
 
@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 import predict
 from sapiens2 import weights
-from sapiens2_app import detector, dfine
+from sapiens2_app.detector import detector, dfine
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 transformers = pytest.importorskip("transformers")
@@ -292,7 +292,7 @@ def imported_modules(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from sapiens2_app import dfine`
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from sapiens2_app.detector import dfine`
     return names
 
 
@@ -301,9 +301,9 @@ def test_the_dfine_modules_import_one_way():
     chain = ["dfine_config", "dfine_backbone", "dfine", "detector"]
     folder = Path(detector.__file__).parent
     for i, name in enumerate(chain):
-        later = {f"sapiens2_app.{other}" for other in chain[i + 1:]}
+        later = {f"sapiens2_app.detector.{other}" for other in chain[i + 1:]}
         found = imported_modules(folder / f"{name}.py") & later
-        assert not found, f"sapiens2_app/{name}.py imports {sorted(found)}"
+        assert not found, f"sapiens2_app/detector/{name}.py imports {sorted(found)}"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import predict
 from sapiens2 import processing
-from sapiens2_app import inference
+from sapiens2_app.predict import inference
 from test_pipeline import contents
 from test_predict import ALL_TASKS, checkpoints, model_args, write_images  # noqa: F401 (a fixture)
 

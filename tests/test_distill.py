@@ -1,4 +1,4 @@
-"""train.py --teacher (sapiens2_app/distillation.py, distill_data.py, agreement.py) on tiny models: a student distilled
+"""train.py --teacher (sapiens2_app/train/distillation.py, distill_data.py, agreement.py) on tiny models: a student distilled
 from a briefly trained, then frozen, teacher on photos without labels comes to agree with it; the teacher sees the
 student's augmented pixels, stays frozen and unsaved; resume is exact; pose finds its people with the detector; the
 agreement metrics equal a direct computation."""
@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 import train
 from sapiens2 import Sapiens2, Sapiens2Config, heads, processing, weights
-from sapiens2_app import agreement, boxes, distill_data, distillation
+from sapiens2_app.predict import boxes
+from sapiens2_app.train import agreement, distill_data, distillation
 from test_train import HEADS, SIZE, checkpoint_tensors, make_dataset, read_log, run_train, tiny_backbone, torchrun
 
 

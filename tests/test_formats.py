@@ -13,7 +13,7 @@ from PIL import Image
 import predict
 from sapiens2 import weights
 from sapiens2.processing import DATA_DIR, keypoint_metadata
-from sapiens2_app import formats
+from sapiens2_app.predict import formats
 from test_predict import model_args, run_cli, tiny_model, write_images
 
 NAMES = keypoint_metadata()["keypoint_names"]

@@ -10,9 +10,9 @@ import torch
 
 import predict
 from fuzz_support import NASTY_VALUES, SEED_CORPUS, fuzz_loop, mutate
-from sapiens2_app.boxes import MAX_COORDINATE, MAX_PEOPLE, fit_boxes, pose_boxes, read_boxes_file
-from sapiens2_app.cli import UsageError
-from sapiens2_app.inputs import InputImage
+from sapiens2_app.predict.boxes import MAX_COORDINATE, MAX_PEOPLE, fit_boxes, pose_boxes, read_boxes_file
+from sapiens2_app.common.cli import UsageError
+from sapiens2_app.predict.inputs import InputImage
 
 
 def boxes_file(tmp_path, text: str) -> str:

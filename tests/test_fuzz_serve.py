@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROOT
 from fuzz_support import SEED_CORPUS, fuzz_loop, mutate
-from sapiens2_app import serve_jobs
-from sapiens2_app.serve_uploads import ClientError, boundary_of, check_photo, parse_multipart
+from sapiens2_app.serve import serve_jobs
+from sapiens2_app.serve.serve_uploads import ClientError, boundary_of, check_photo, parse_multipart
 from test_serve import (PHOTO, call, error_of, multipart, offline, post_job, run_job,  # noqa: F401 (fixtures)
                         start_server, tiny_preset, wait_finished)
 
@@ -243,7 +243,7 @@ import sys, time
 from concurrent.futures import ThreadPoolExecutor
 sys.path[:0] = [{root!r}]
 import sapiens2, serve
-from sapiens2_app import serve_jobs
+from sapiens2_app.serve import serve_jobs
 
 sapiens2.PRESETS["tiny"] = sapiens2.Sapiens2Config(32, 2, 2, full_attention_first=1, full_attention_last=1,
                                                    image_size=(64, 48))  # (random 0.1b weights take seconds)

@@ -229,7 +229,7 @@ def test_extras_install_what_the_hints_name():
     extras = backend.project_table()["optional-dependencies"]
     names = {extra: {dep.split(";")[0].split(">")[0].split("=")[0].strip() for dep in deps}
              for extra, deps in extras.items()}
-    from sapiens2_app import video
+    from sapiens2_app.predict import video
     hints = {"video": video.INSTALL_HINT, "export": _export_hint(), "hub": _hub_hint()}
     for extra, hint in hints.items():
         assert f"sapiens2[{extra}]" in hint, hint

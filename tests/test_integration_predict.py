@@ -15,7 +15,9 @@ from PIL import Image
 
 import predict
 from sapiens2 import weights
-from sapiens2_app import detector, inference, models, safe_io, video
+from sapiens2_app.common import safe_io
+from sapiens2_app.detector import detector
+from sapiens2_app.predict import inference, models, video
 from test_predict import model_args, tiny_model, write_images
 from test_reliability import error_lines, faulty_writer, no_partials, strict_json
 from test_video import av, make_video, person_boxes, read_video, requires_av

@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 import export
 import predict
 from sapiens2 import weights
-from sapiens2_app import dfine, dfine_config, safe_io
-from sapiens2_app.cli import StopSignals
+from sapiens2_app.common import safe_io
+from sapiens2_app.detector import dfine, dfine_config
+from sapiens2_app.common.cli import StopSignals
 from test_export import tiny_model as tiny_export_model
 from test_predict import model_args, tiny_model, write_images
 
@@ -327,7 +328,7 @@ def test_whatever_the_decoder_raises_at_a_frame_ends_its_video_there(checkpoints
 HANGING_PREDICT = r"""
 import sys, time
 import predict
-from sapiens2_app import video
+from sapiens2_app.predict import video
 
 real_write = video.VideoWriter.write
 

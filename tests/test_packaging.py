@@ -43,7 +43,7 @@ def run_installed(site: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_wheel_installs_the_data_files(installed, tmp_path):
     assert sorted(p.name for p in (installed / "sapiens2" / "data").glob("*.json")) == sorted(DATA_FILES)
-    check = ("from sapiens2 import processing; from sapiens2_app import formats; "
+    check = ("from sapiens2 import processing; from sapiens2_app.predict import formats; "
              "print(processing.DATA_DIR); print(len(processing.keypoint_metadata()['keypoint_names']), "
              "len(processing.segmentation_metadata()['class_names']), len(formats.openpose_table()))")
     done = run_installed(installed, "-c", check, cwd=tmp_path)
@@ -55,9 +55,9 @@ def test_wheel_installs_the_data_files(installed, tmp_path):
 
 def test_wheel_installs_the_served_page(installed):
     """serve.py's page is package data of sapiens2_app (the server reads it from beside its module)."""
-    static = installed / "sapiens2_app" / "static"
+    static = installed / "sapiens2_app" / "serve" / "static"
     assert sorted(p.name for p in static.iterdir()) == ["serve.css", "serve.html", "serve.js"]
-    assert all((static / p.name).read_bytes() == p.read_bytes() for p in (ROOT / "sapiens2_app" / "static").iterdir())
+    assert all((static / p.name).read_bytes() == p.read_bytes() for p in (ROOT / "sapiens2_app" / "serve" / "static").iterdir())
 
 
 def test_only_sapiens2_names_are_installed(installed):

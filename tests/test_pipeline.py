@@ -1,4 +1,4 @@
-"""The pipelined runner (predict.py --workers N, sapiens2_app/pipeline.py + stages.py) against the serial one
+"""The pipelined runner (predict.py --workers N, sapiens2_app/predict/pipeline.py + stages.py) against the serial one
 (--workers 0): the same files and run.json, files written in the order of the inputs, memory bounded whatever the
 number of images, and a failing worker that fails what the serial runner fails, without a hang."""
 
@@ -17,8 +17,9 @@ from safetensors import safe_open
 
 import predict
 from sapiens2 import processing
-from sapiens2_app import outputs as outputs_module
-from sapiens2_app import inference, pipeline, safe_io
+from sapiens2_app.predict import outputs as outputs_module
+from sapiens2_app.common import safe_io
+from sapiens2_app.predict import inference, pipeline
 from test_predict import checkpoints, model_args, write_images  # noqa: F401, F811 (a fixture)
 
 TASKS = "seg,normal,pose,features"

@@ -17,7 +17,7 @@ from sapiens2 import processing
 import train
 from sapiens2 import weights
 from fixtures import original_pose_eval as original
-from sapiens2_app import dataset_files, datasets, distributed, pose_metrics, starting_model
+from sapiens2_app.train import dataset_files, datasets, distributed, pose_metrics, starting_model
 from test_train import SIZE, make_dataset, read_log, run_train, tiny_backbone
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from sapiens2 import heads, hub
 import predict
 from sapiens2 import Sapiens2, Sapiens2Config, processing, weights
-from sapiens2_app import boxes, detector, inference, inputs, outputs
-from sapiens2_app.models import LoadedModel
+from sapiens2_app.detector import detector
+from sapiens2_app.predict import boxes, inference, inputs, outputs
+from sapiens2_app.predict.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_TASKS = "seg,pose,normal,pointmap,matting,albedo,features"

@@ -28,7 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from sapiens2 import processing as P
-from sapiens2_app import formats, pictures, targets
+from sapiens2_app.predict import formats, pictures
+from sapiens2_app.train import targets
 
 FIXTURES = Path(__file__).parent / "fixtures" / "processing"
 PIXEL_TOL = 1e-4
@@ -942,7 +943,7 @@ def test_class_ids_are_argmax():
 def test_half_blend_is_the_float_formula_for_every_pair_of_values():
     """The seg overlay at opacity 0.5 in integers: every (image, colour) pair of 8-bit values gives what
     round(0.5 a + 0.5 b) gives in float32 (halves to even)."""
-    from sapiens2_app.pictures import half_blend
+    from sapiens2_app.predict.pictures import half_blend
 
     a, b = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
     a, b = a.to(torch.uint8), b.to(torch.uint8)

@@ -1,4 +1,4 @@
-"""predict.py --training-data DIR (sapiens2_app/pseudo_labels.py): the predictions written in train.py's layout read
+"""predict.py --training-data DIR (sapiens2_app/train/pseudo_labels.py): the predictions written in train.py's layout read
 back, through train.py's own readers, as exactly what predict.py wrote to its raw outputs."""
 
 import json
@@ -8,8 +8,8 @@ import pytest
 from PIL import Image
 
 import predict
-from sapiens2_app import dataset_files, datasets
-from sapiens2_app.pseudo_labels import VISIBLE_SCORE
+from sapiens2_app.train import dataset_files, datasets
+from sapiens2_app.train.pseudo_labels import VISIBLE_SCORE
 from test_predict import checkpoints, model_args, write_images  # noqa: F401 (checkpoints: a fixture)
 
 TASKS = ["seg", "pose", "normal", "pointmap", "matting", "albedo"]

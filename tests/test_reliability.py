@@ -28,8 +28,9 @@ from safetensors.torch import load_file, save_file
 from sapiens2 import heads
 import predict
 from sapiens2 import processing, weights
-from sapiens2_app import inference, inputs, models, pipeline, safe_io
-from sapiens2_app.boxes import fit_boxes, read_boxes_file
+from sapiens2_app.common import safe_io
+from sapiens2_app.predict import inference, inputs, models, pipeline
+from sapiens2_app.predict.boxes import fit_boxes, read_boxes_file
 from test_predict import model_args, tiny_model, write_images
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ import predict
 import serve
 from conftest import ROOT
 from sapiens2 import Sapiens2Config, processing
-from sapiens2_app import serve_jobs, serve_uploads
+from sapiens2_app.serve import serve_jobs, serve_uploads
 from test_predict import checkpoints, model_args  # noqa: F401 (a fixture)
 
 PHOTO = ROOT / "assets" / "astronaut.jpg"

@@ -23,8 +23,9 @@ import predict
 from sapiens2 import processing
 import train
 from sapiens2 import Sapiens2, Sapiens2Config, weights
-from sapiens2_app import (dataset_files, datasets, dense_metrics, distributed, pixel_augmentation, pose_augmentation,
-                          pose_metrics, starting_model, targets)
+from sapiens2_app.augment import pixel_augmentation, pose_augmentation
+from sapiens2_app.train import (dataset_files, datasets, dense_metrics, distributed, pose_metrics, starting_model,
+                                targets)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = (64, 48)  # network input (H, W)
@@ -330,7 +331,7 @@ def test_pose_augmentation_moves_keypoints_and_swaps_left_right(tmp_path):
         assert torch.equal(sample["keypoints"], expected)
         peaks, _ = processing.decode_heatmaps(sample["labels"][None])
         scale = torch.tensor([95 / 23, 127 / 31])
-        in_photo = pose_augmentation.apply_affine(sample["to_source"], peaks[0] * scale)
+        in_photo = processing.apply_affine(sample["to_source"], peaks[0] * scale)
         inner = (peaks[0] >= 1).all(-1) & (peaks[0][:, 0] <= 22) & (peaks[0][:, 1] <= 30)  # DARK is biased at edges
         seen = (sample["label_weights"] > 0) & inner
         assert seen.sum() >= 4  # a half-body crop (the lower half: 6 keypoints) or a zoom may leave some out

@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 
 import train
 from sapiens2 import weights
-from sapiens2_app import data_loading, starting_model, train_checkpoints
-from sapiens2_app.distributed import Distributed
-from sapiens2_app.train_checkpoints import TrainingStopped
+from sapiens2_app.train import data_loading, starting_model, train_checkpoints
+from sapiens2_app.train.distributed import Distributed
+from sapiens2_app.train.train_checkpoints import TrainingStopped
 from test_reliability import BOMB_LINE, bomb_png, error_lines, faulty_writer, strict_json
 from test_train import HEADS, make_dataset, run_train, save_png, tiny_backbone
 
@@ -304,7 +304,7 @@ CHILD = '''
 import sys, time
 from pathlib import Path
 import train
-from sapiens2_app import train_checkpoints
+from sapiens2_app.train import train_checkpoints
 
 marker, where, at_step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 step_of_run, write_files = train.Run.train_step, train_checkpoints.write_checkpoint_files

@@ -14,7 +14,7 @@ import torch
 from sapiens2 import heads
 import train
 from sapiens2 import PRESETS, Sapiens2Config, layer_decay_groups
-from sapiens2_app import optimization, starting_model
+from sapiens2_app.train import optimization, starting_model
 from test_train import HEADS, make_dataset, read_log, tiny_backbone
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recipe" / "original_configs.json"  # make_recipe_fixture.py

@@ -15,7 +15,7 @@ from PIL import Image
 
 import predict
 from sapiens2 import weights
-from sapiens2_app import tracking, video
+from sapiens2_app.predict import tracking, video
 from test_predict import model_args, read_png, run_cli, tiny_model
 
 try:
