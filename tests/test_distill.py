@@ -115,15 +115,19 @@ def test_normal_student_angle_to_the_teacher_falls_over_2x(tmp_path):
 
 
 # the task's agreement metric, and the improvement the test below asks of it from start to end (seeded, CPU; about
-# half of what was measured, so that another platform's rounding cannot decide the result)
+# half of what was measured, so that another platform's rounding cannot decide the result). Each bar fails when the
+# teacher's targets are computed from vertically flipped pixels (measured: depth_rel 22.8 -> 42.1, alpha L1
+# 0.211 -> 0.153). NOTE: albedo is left out: a tiny albedo teacher trained on the rectangles outputs little more
+# than each image's mean colour (that flat image reproduces it at 20 dB), and a student given the flipped pixels'
+# targets reaches the agree_PSNR of one given the right ones (flipped vs right: 22.8 vs 20.8 dB after 20 steps; 19.5
+# vs 19.6 after 80, from a teacher trained 60 steps at 1e-3): there its rise does not show the teacher followed.
 DENSE_AGREEMENT = {
     "pointmap": ("agree_depth_rel", lambda start, end: end < start / 4),  # measured 22.8 -> 2.05 (11x)
     "matting": ("agree_alpha_L1", lambda start, end: end < start / 3),  # measured 0.211 -> 0.031 (6.8x)
-    "albedo": ("agree_PSNR", lambda start, end: end > start + 8),  # measured 7.0 -> 20.8 dB (+13.8)
 }
 
 
-@pytest.mark.parametrize("task", ["pointmap", "matting", "albedo"])
+@pytest.mark.parametrize("task", sorted(DENSE_AGREEMENT))
 def test_dense_student_comes_to_agree_with_a_frozen_teacher(task, tmp_path):
     """As for normals: a teacher trained 20 steps on labelled rectangles, frozen; the student's agreement with it
     at the start (one step too small to move it) and after 20 steps on the photos (DENSE_AGREEMENT's numbers)."""
