@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from . import attention_triton as base
-from .attention_triton import AUTOTUNE_KEY, LOG2E, FlashAttention, _dot, attention_delta, dot_precision, head_dim_chunks
+from .attention_triton import (AUTOTUNE_KEY, LOG2E, FlashAttention, _dot, _load_rows, attention_delta, dot_precision,
+                               head_dim_chunks)
 from .dispatch import launched_on_device
 from .grid_triton import (aligned_heads, batch_bucket, check_attention_inputs, check_image_elements, check_out,
                           config_label, drop_excluded, empty_bnhd, excluded_configs, flat_grid, heads_aligned,
@@ -40,16 +41,9 @@ def _key_rows(desc, base, b, g, start_n, N, stride_n, stride_d, col0, HEAD_DIM: 
     of image b; cp.async when pipelined), masked only where needed."""
     if TMA:
         return tl.reshape(desc.load([b.to(tl.int32), start_n, g.to(tl.int32), col0]), [BLOCK_N, COLS])
-    else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_d = col0 + tl.arange(0, COLS)
-        ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
-        if MASK_N:
-            return tl.load(ptrs, mask=(offs_n < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-        elif col0 + COLS > HEAD_DIM:
-            return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-        else:
-            return tl.load(ptrs)
+    else:  # the base kernel's masked load of one head's rows
+        return _load_rows(base, start_n, N, stride_n, stride_d, ROWS=BLOCK_N, COL0=col0, COLS=COLS,
+                          HEAD_DIM=HEAD_DIM, MASK_ROWS=MASK_N)
 
 
 @triton.jit
