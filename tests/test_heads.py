@@ -36,6 +36,11 @@ def run_task(model, pixels):
     return [getattr(out, f) for f in fields]
 
 
+def test_every_task_has_an_original_fixture():
+    """A task added without a golden case of the original's code would go unchecked: each has one."""
+    assert set(FIXTURE_OUTPUTS) == set(heads.TASKS)
+
+
 @pytest.mark.parametrize("task", list(FIXTURE_OUTPUTS))
 def test_original_fixture_parity(task):
     fixtures_dir = original_case_dir(f"public_{task}")
