@@ -15,40 +15,19 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The original code's golden outputs: the repository's own share (tests/fixtures/original/README.md says which cases
-# and how they were made) runs on every clone; the rest of the full set lies in the project's shared folder.
+# The original code's golden outputs: tests/fixtures/original/README.md says which cases and how they were made.
 FIXTURES = ROOT / "tests" / "fixtures" / "original"
-REPO_CASES = ("tiny_4k", "public_pointmap", "public_pose")
-FULL_FIXTURES = Path(os.environ.get("SAPIENS2_SHARED", ROOT.parent / "shared")) / "fixtures" / "original"
 
 
 def original_case_dir(name: str) -> Path:
-    """The folder that holds fixture case `name` (`name.safetensors`, `.io.safetensors`, `.json`). A case of the
-    repository's share never skips: a missing file fails. A case only the full set has skips without it, except
-    under CI=true, where the full set is always beside the checkout."""
-    if name in REPO_CASES:
-        missing = [f.name for f in (FIXTURES / f"{name}{ext}" for ext in (".safetensors", ".io.safetensors", ".json"))
-                   if not f.is_file()]
-        if missing:
-            pytest.fail(f"golden fixtures missing from {FIXTURES}: {', '.join(missing)} (they are part of the repository)")
-        return FIXTURES
-    if not (FULL_FIXTURES / f"{name}.json").is_file():
-        message = f"fixture case {name} is in the full set only, not found at {FULL_FIXTURES} (set SAPIENS2_SHARED)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return FULL_FIXTURES
-
-
-@pytest.fixture
-def fixtures_dir() -> Path:
-    """The full set's folder (skips without it, fails under CI=true); original_case_dir(name) is what runs everywhere."""
-    if not FULL_FIXTURES.is_dir():
-        message = f"the full set of golden fixtures is not at {FULL_FIXTURES} (set SAPIENS2_SHARED)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return FULL_FIXTURES
+    """The folder that holds fixture case `name` (`name.safetensors`, `.io.safetensors`, `.json`). The cases are part
+    of the repository: a missing file fails the test, it never skips it."""
+    missing = [f.name for f in (FIXTURES / f"{name}{ext}" for ext in (".safetensors", ".io.safetensors", ".json"))
+               if not f.is_file()]
+    if missing:
+        pytest.fail(f"golden fixtures missing from {FIXTURES}: {', '.join(missing)} (they are part of the repository; "
+                    f"tests/fixtures/make_original_fixtures.py makes them again)")
+    return FIXTURES
 
 
 @pytest.fixture(autouse=True)

@@ -1,11 +1,12 @@
 """The backbone: parity with the original implementation's golden outputs, presets, inputs.
 
 Tolerances (max |ours - reference| / max |reference|):
-  * RoPE in fp32 vs the original run with fp32 RoPE: 1e-5 (measured ~8e-7; fp32 op-order noise).
-  * RoPE in bf16 vs the original's default bf16 RoPE: 5e-4. Bit-exactness is not reachable: the bf16
-    rounding of q/k amplifies fp32 last-ulp differences (a 1e-7 relative perturbation of the input moves
-    our own bf16-RoPE output by ~1.5e-4, see test_bf16_rope_noise_floor). The test also checks that the
-    other convention is >1e-3 away, so it can tell the two apart.
+  * RoPE in fp32 vs the original run with fp32 RoPE: 1e-5 (measured ~5e-7; fp32 op-order noise).
+  * RoPE in bf16 vs the original's default bf16 RoPE: 1e-3, a quarter of bf16's epsilon (2^-8). Bit-exactness
+    is not reachable: the bf16 rounding of q/k amplifies fp32 last-ulp differences (on the 18-block `tiny` case,
+    1e-7 relative perturbations of the input move our own bf16-RoPE output by up to ~5e-4, see
+    test_bf16_rope_noise_floor). The test also checks that the other convention is more than twice that away
+    (measured 5.7e-3 on `tiny`, 3.2e-3 on `tiny_4k`), so it can tell the two apart.
 """
 
 import json
@@ -20,7 +21,7 @@ from conftest import original_case_dir, rel_err
 from sapiens2 import PRESETS, Sapiens2, Sapiens2Config, rope_periods_bf16, rope_tables_bf16
 
 FP32_TOL = 1e-5
-BF16_ROPE_TOL = 5e-4
+BF16_ROPE_TOL = 1e-3
 
 
 def fixture_model(name: str, rope_dtype: str):
@@ -45,7 +46,7 @@ def fixture_model(name: str, rope_dtype: str):
     return model, periods, load_file(fixtures_dir / f"{name}.io.safetensors")
 
 
-@pytest.mark.parametrize("name", ["tiny_4k", "tiny"])  # tiny: the full set only (tests/fixtures/original/README.md)
+@pytest.mark.parametrize("name", ["tiny_4k", "tiny"])
 def test_original_fixture_parity(name):
     results = {}
     for rope_dtype in ("float32", "bfloat16"):
@@ -63,13 +64,12 @@ def test_original_fixture_parity(name):
 
 
 def test_bf16_rope_noise_floor():
-    """Why BF16_ROPE_TOL is what it is: a 1e-7 input perturbation moves the bf16-RoPE output this much."""
-    model, _, io = fixture_model("tiny_4k", "bfloat16")
+    """Why BF16_ROPE_TOL is what it is: 1e-7-sized input perturbations move the bf16-RoPE output this much."""
+    model, _, io = fixture_model("tiny", "bfloat16")
     with torch.no_grad():
         a = model(io["pixel_values"]).tokens
-        b = model(io["pixel_values"] * (1 + 1e-7)).tokens
-    floor = rel_err(b, a)
-    print(f"bf16-RoPE sensitivity to a 1e-7 perturbation: {floor:.2e}")
+        floor = max(rel_err(model(io["pixel_values"] * (1 + k * 1e-7)).tokens, a) for k in (1, 2, 3))
+    print(f"bf16-RoPE sensitivity to 1e-7 perturbations: {floor:.2e}")
     assert 1e-5 < floor < BF16_ROPE_TOL
 
 

@@ -218,7 +218,7 @@ def test_4k_model_cannot_be_saved_in_hf_format(tmp_path):
         weights.save(small_model(use_tokenizer=True, tokenizer_layers=1), tmp_path / "x", format="hf")
 
 
-@pytest.mark.parametrize("name", ["tiny_4k", "tiny"])  # tiny: the full set only
+@pytest.mark.parametrize("name", ["tiny_4k", "tiny"])
 def test_loads_original_fixture_files(name):
     fixtures_dir = original_case_dir(name)
     io = load_file(fixtures_dir / f"{name}.io.safetensors")
