@@ -143,11 +143,8 @@ def in_child(spec: dict) -> dict:
 
 def eager_row(name: str, size, size_text: str, skip: set, args) -> dict:
     row = {"model": f"{args.task}-{name}", "size": name, "input": size_text,
-           **count_flops(name, args.task, 1, size, args.dtype, build)}
-    model = build(name, args.task, size)
-    row["params"] = sum(p.numel() for p in model.parameters())
+           **count_flops(name, args.task, 1, size, args.dtype, build)}  # and params: built on the meta device
     row["weights_mb"] = row["params"] * DTYPES[args.dtype].itemsize / 2**20
-    del model
     if f"{name}@{size_text}" not in skip:
         row.update(in_child({"kind": "eager", "name": name, "task": args.task, "size": size, "device": args.device,
                              "dtype": args.dtype, "warmup": args.warmup, "reps": args.reps}))
