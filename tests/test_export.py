@@ -328,6 +328,14 @@ def test_missing_onnx_package_one_line_hint(missing, checkpoints, tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_missing_quantization_tools_one_line_hint(checkpoints, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime.quantization", None)  # makes its import raise ImportError
+    assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx", "--quantize", "int8") == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --quantize int8 needs onnxruntime.quantization: {export.QUANTIZE_HINT}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, message", [
     (["pointmap", "--size", "64x48"], "--size 64x48: a 64x48 input does not fit the pointmap scale branch"),
     (["seg", "--dtype", "bf16"], "--format onnx --dtype bf16: ONNX Runtime has no bf16 kernels"),
