@@ -250,7 +250,7 @@ def main(argv=None):
         if args.onnx:
             rows += onnx_rows(size, size_text, args)
     add_ratios(rows)
-    data = {"device": device_name(args.device), "dtype": args.dtype, "versions": versions(),
+    data = {"device": device_name(args.device), "dtype": args.dtype, "versions": versions() | onnx_versions(args),
             "command": " ".join(["bench/distill.py", *(argv if argv is not None else sys.argv[1:])]),
             "load_average_at_end": os.getloadavg(), "rows": rows}
     out = args.out or ROOT / "bench" / "results" / f"distill-{device_slug(args.device)}.json"
@@ -260,8 +260,18 @@ def main(argv=None):
     print(markdown(data))
 
 
+def onnx_versions(args) -> dict:
+    if not args.onnx:
+        return {}
+    import onnx
+    import onnxruntime
+
+    return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
 def markdown(data: dict) -> str:
-    lines = [f"{data['device']}, {data['dtype']}, torch {data['versions']['torch']}, load average at the end "
+    runtime = f", onnxruntime {data['versions']['onnxruntime']}" if "onnxruntime" in data["versions"] else ""
+    lines = [f"{data['device']}, {data['dtype']}, torch {data['versions']['torch']}{runtime}, load average at the end "
              f"{data['load_average_at_end'][0]:.1f}; `{data.get('command', 'bench/distill.py')}`", "",
              "| model | input | params | GFLOPs | ms (median) | CPU s (median) | images/s | RSS loaded MiB | peak MiB "
              "above loaded | x student (CPU time, or time on GPU) | x student (FLOPs) |", "|---" * 11 + "|"]
