@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import statistics
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def child(spec: dict) -> dict:
     """Load what `spec` names, then time its calls and measure the memory they take (the module docstring)."""
     if spec["kind"] == "eager":
         warm_up_process(spec)
-    call, outputs = eager_call(spec) if spec["kind"] == "eager" else onnx_call(spec)
+    call, saves_output = eager_call(spec) if spec["kind"] == "eager" else onnx_call(spec)
     cpu_seconds = []
 
     def timed():
@@ -83,10 +84,11 @@ def child(spec: dict) -> dict:
         else:
             with CpuRssPeak() as rss:
                 times = time_calls(timed, "cpu", spec["warmup"], spec["reps"])
-            row = {"times_ms": times, "rss_loaded_mb": rss.before_kb / 1024, "peak_mb": rss.peak_mb,
+            loaded_mb = None if rss.before_kb is None else rss.before_kb / 1024  # None: no /proc (not Linux)
+            row = {"times_ms": times, "rss_loaded_mb": loaded_mb, "peak_mb": rss.peak_mb,
                    "memory_method": f"peak RSS above the RSS with the model loaded, one process per row: {rss.method}",
                    "median_cpu_s": statistics.median(cpu_seconds[spec["warmup"]:])}
-        if outputs:  # the output of the seeded input, for the agreement (ONNX rows)
+        if saves_output:  # the output of the seeded input, for the agreement (ONNX rows)
             import numpy as np
 
             np.save(spec["output"], call())
@@ -148,8 +150,8 @@ def eager_row(name: str, size, size_text: str, skip: set, args) -> dict:
     if f"{name}@{size_text}" not in skip:
         row.update(in_child({"kind": "eager", "name": name, "task": args.task, "size": size, "device": args.device,
                              "dtype": args.dtype, "warmup": args.warmup, "reps": args.reps}))
-        print(f"{row['model']} {size_text}: {row['median_ms']:.0f} ms, {row.get('median_cpu_s', 0):.1f} CPU s, "
-              f"peak {row['peak_mb']:.0f} MiB above the loaded model", file=sys.stderr)
+        print(f"{row['model']} {size_text}: {row['median_ms']:.0f} ms, {number(row.get('median_cpu_s'), '.1f')} CPU "
+              f"s, peak {number(row['peak_mb'], '.0f')} MiB above the loaded model", file=sys.stderr)
     return row
 
 
@@ -191,8 +193,8 @@ def onnx_row(kind: str, size, size_text: str, folder: pathlib.Path, args) -> dic
     row.update(in_child({"kind": "onnx", "path": str(path), "pixels": str(folder / "pixels.npy"),
                          "output": str(folder / f"{kind}.out.npy"), "task": args.task, "device": "cpu",
                          "dtype": "fp32", "warmup": args.warmup, "reps": args.reps}))
-    print(f"{row['model']} {size_text}: {row['median_ms']:.0f} ms, peak {row['peak_mb']:.0f} MiB above the loaded "
-          f"model", file=sys.stderr)
+    print(f"{row['model']} {size_text}: {row['median_ms']:.0f} ms, peak {number(row['peak_mb'], '.0f')} MiB above "
+          f"the loaded model", file=sys.stderr)
     return row
 
 
@@ -251,7 +253,7 @@ def main(argv=None):
             rows += onnx_rows(size, size_text, args)
     add_ratios(rows)
     data = {"device": device_name(args.device), "dtype": args.dtype, "versions": versions() | onnx_versions(args),
-            "command": " ".join(["bench/distill.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": shlex.join(["bench/distill.py", *(argv if argv is not None else sys.argv[1:])]),
             "load_average_at_end": os.getloadavg(), "rows": rows}
     out = args.out or ROOT / "bench" / "results" / f"distill-{device_slug(args.device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

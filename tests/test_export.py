@@ -345,7 +345,8 @@ def test_missing_quantization_tools_one_line_hint(checkpoints, tmp_path, monkeyp
     (["features", "--model", "{tmp}/nothing.safetensors"], "no such file"),
     (["seg", "--quantize", "int8", "--format", "torch-export", "-o", "{tmp}/seg.pt2"],
      "--quantize int8 is for --format onnx"),
-    (["seg", "--quantize", "int8", "--dtype", "fp16"], "--quantize int8 quantizes an fp32 export; drop --dtype float16"),
+    (["seg", "--quantize", "int8", "--dtype", "fp16"],
+     "--quantize int8 quantizes an fp32 export; drop --dtype float16"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(argv, message, checkpoints, tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
