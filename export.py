@@ -2,7 +2,7 @@
 """Export a Sapiens2 model as a deployable artifact, and check it against eager PyTorch before keeping it.
 
     python export.py seg --model seg-0.4b --format onnx -o seg-0.4b.onnx [--size 1024x768] [--dtype fp16]
-                     [--dynamic-batch] [--conventions original|transformers]
+                     [--dynamic-batch] [--conventions original|transformers] [--quantize int8]
     python export.py features --model 1b --format torch-export -o backbone-1b.pt2
 
 The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `processing.preprocess` makes it (any
@@ -29,6 +29,11 @@ Numerics
     eager model (same dtype, same kernels); the max relative difference max|a - e| / max|e| of each output is
     printed, and above `tolerance(dtype, rope)` (fp32 1e-4, fp16 2e-2, bf16 5e-2; 2e-3 for an fp32 model with
     bf16 RoPE, whose own rounding noise is ~3e-4) the file is removed and the exit status is 1.
+  * --quantize int8 (ONNX, fp32): the checked fp32 export goes through onnxruntime's dynamic quantization
+    (int8 weights for each MatMul and Conv with constant weights, activations quantized per call; QUANTIZATION);
+    -o gets the int8 model. Its agreement with the fp32 export on the same input is printed (int8_agreement);
+    it is not held to a tolerance, since what int8 costs depends on the weights, but an output that is not
+    finite fails the check.
 Files are written to a temporary folder beside the output and moved into place only after the check passes; the
 folder of an export killed earlier (kill -9) is removed by the next export to the same -o.
 Exit status: 0 written and checked, 1 the check or the write failed (nothing written), 2 bad arguments or missing
@@ -87,6 +92,7 @@ BF16_ROPE_TOLERANCE = 2e-3
 def tolerance(dtype: torch.dtype, rope_dtype: str) -> float:
     return max(TOLERANCE[dtype], BF16_ROPE_TOLERANCE) if rope_dtype == "bfloat16" else TOLERANCE[dtype]
 ONNX_HINT = "pip install onnx onnxscript onnxruntime  (or: pip install 'sapiens2[export]')"
+QUANTIZE_HINT = "pip install onnxruntime  (its quantization tools come with it: onnxruntime.quantization)"
 
 
 class CheckFailed(Exception):
@@ -169,14 +175,15 @@ def example_input(batch: int, size: tuple[int, int], seed: int = 0) -> torch.Ten
 
 
 def describe(task: str, source: str, model: nn.Module, size, dtype: torch.dtype, dynamic_batch: bool,
-             random: bool = False) -> dict:
+             random: bool = False, quantize: str | None = None) -> dict:
     """What the artifact is, stored inside it (ONNX metadata_props / a file in the .pt2)."""
     config = backbone_of(model).config
     return {
         "task": task, "source": source, "random_weights": random, "outputs": list(OUTPUTS[task]),
         "dtype": str(dtype).replace("torch.", ""),
         "input": f"pixel_values ({'B' if dynamic_batch else 1}, 3, {size[0]}, {size[1]}) float32, normalized RGB",
-        "rope_dtype": config.rope_dtype, "sapiens2_config": config.to_dict(),
+        "quantization": QUANTIZATION.get(quantize), "rope_dtype": config.rope_dtype,
+        "sapiens2_config": config.to_dict(),
         "head_config": model.head_config.to_dict() if isinstance(model, heads.Sapiens2ForTask) else None,
     }
 
@@ -358,6 +365,73 @@ def compare(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
 
 
 # ----------------------------------------------------------------------------------------------------
+# int8: dynamic quantization of the checked fp32 ONNX export
+# ----------------------------------------------------------------------------------------------------
+
+# What --quantize does, as the artifact's metadata says it.
+QUANTIZATION = {"int8": "onnxruntime dynamic quantization of the fp32 export: int8 weights (one scale per tensor) "
+                        "for each MatMul and Conv with a constant weight, uint8 activations quantized at each call; "
+                        "the rest (attention's products, ConvTranspose, norms) stays fp32"}
+
+
+def quantize_int8(fp32_path: Path, path: Path):
+    """The ONNX file at fp32_path with its weights quantized to int8, written to `path` (its weights beside it in
+    NAME.onnx.data when the fp32 export keeps them there)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    external = fp32_path.with_name(fp32_path.name + ".data").exists()
+    root = logging.getLogger()  # quantize_dynamic advises its optional pre-processing pass on the root logger
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        quantize_dynamic(fp32_path, path, weight_type=QuantType.QInt8, use_external_data_format=external)
+    finally:
+        root.setLevel(level)
+
+
+def int8_agreement(task: str, int8: dict[str, torch.Tensor], fp32: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The int8 model's outputs against the fp32 export's on the same input: per output the max relative difference
+    (the check's measure) and the mean absolute difference; seg: the share of pixels whose class (argmax) is the
+    same; pose: the mean distance between the heatmaps' peaks, in heatmap pixels; normal: the mean angle between
+    the normals, in degrees."""
+    numbers = {}
+    for name, difference in compare(int8, fp32).items():
+        if not torch.isfinite(int8[name]).all():
+            raise CheckFailed(f"the int8 model's {name} has values that are not finite")
+        numbers[f"{name} max relative"] = difference
+        numbers[f"{name} mean abs"] = (int8[name].double() - fp32[name].double()).abs().mean().item()
+    if task == "seg":
+        same = int8["logits"].argmax(1) == fp32["logits"].argmax(1)  # (B, h, w)
+        numbers["pixels of the same class"] = same.double().mean().item()
+    elif task == "pose":
+        distance = (heatmap_peaks(int8["heatmaps"]) - heatmap_peaks(fp32["heatmaps"])).norm(dim=-1)
+        numbers["keypoint distance px"] = distance.mean().item()
+    elif task == "normal":
+        cosine = torch.nn.functional.cosine_similarity(int8["normals"].double(), fp32["normals"].double(), dim=1)
+        numbers["normal angle deg"] = torch.rad2deg(torch.acos(cosine.clamp(-1, 1))).mean().item()
+    return numbers
+
+
+def heatmap_peaks(heatmaps: torch.Tensor) -> torch.Tensor:
+    """(B, K, h, w) -> (B, K, 2): x, y of each heatmap's maximum, in heatmap pixels."""
+    width = heatmaps.shape[-1]
+    peak = heatmaps.flatten(2).argmax(-1)  # (B, K), index into h * w
+    return torch.stack([peak % width, peak // width], -1).double()
+
+
+def agreement_text(numbers: dict[str, float]) -> str:
+    def value(name, number):
+        return f"{100 * number:.2f}%" if name == "pixels of the same class" else f"{number:.2e}"
+    return ", ".join(f"{name} {value(name, number)}" for name, number in numbers.items())
+
+
+def onnx_bytes(path: Path) -> int:
+    """The size of an ONNX model: the graph file and its NAME.onnx.data weights, if any."""
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Writing safely
 # ----------------------------------------------------------------------------------------------------
 
@@ -405,10 +479,15 @@ def build_parser(prog: str = "export.py") -> argparse.ArgumentParser:
                              "and its metadata says random_weights)")
     parser.add_argument("--random-backbone", choices=list(PRESETS),
                         help="backbone size of a random model (default: the model's)")
+    parser.add_argument("--quantize", choices=list(QUANTIZATION),
+                        help="ONNX, fp32: -o gets the checked fp32 export with int8 weights (onnxruntime dynamic "
+                             "quantization); its agreement with fp32 is printed")
     return parser
 
 
-def check_packages(fmt: str, dtype: torch.dtype):
+def check_packages(fmt: str, dtype: torch.dtype, quantize: str | None = None):
+    if quantize:
+        check_quantize(fmt, dtype)
     if fmt == "onnx":
         for name in ("onnx", "onnxscript", "onnxruntime"):
             try:
@@ -419,13 +498,28 @@ def check_packages(fmt: str, dtype: torch.dtype):
             raise UsageError("--format onnx --dtype bf16: ONNX Runtime has no bf16 kernels to check it with (and "
                              f"opset {ONNX_OPSET} has no bf16 Conv); export fp32 and let TensorRT build bf16 "
                              "(trtexec --bf16), or use --format torch-export")
+    if quantize:
+        try:
+            import onnxruntime.quantization  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--quantize {quantize} needs onnxruntime.quantization: {QUANTIZE_HINT}") from None
     if fmt == "aoti" and not hasattr(torch._inductor, "aoti_compile_and_package"):
         raise UsageError(f"--format aoti needs torch >= 2.6 (this is {torch.__version__}); use --format torch-export")
 
 
+def check_quantize(fmt: str, dtype: torch.dtype):
+    if fmt != "onnx":
+        raise UsageError(f"--quantize int8 is for --format onnx (onnxruntime's quantization); --format {fmt} has "
+                         "none: drop --quantize, or use --format onnx")
+    if dtype != torch.float32:
+        raise UsageError(f"--quantize int8 quantizes an fp32 export; drop --dtype {str(dtype).replace('torch.', '')}")
+
+
 def export(args) -> dict[str, float]:
+    """Write the artifact and check it against eager; returns the check's differences (with --quantize, the fp32
+    export's, before quantization)."""
     dtype = weights.parse_dtype(args.dtype)
-    check_packages(args.format, dtype)
+    check_packages(args.format, dtype, args.quantize)
     path = args.output
     check_output_path(path, args.format)
     source = model_source(args.task, args.model, {})  # a size (0.4b) means the task's released checkpoint
@@ -440,7 +534,7 @@ def export(args) -> dict[str, float]:
     with torch.no_grad(), reference_kernels():
         expected = wrapper(example)  # also fills the RoPE table cache: the tables become graph constants
     write, run = WRITERS[args.format]
-    info = describe(args.task, source, model, size, dtype, args.dynamic_batch, random)
+    info = describe(args.task, source, model, size, dtype, args.dynamic_batch, random, args.quantize)
     print(f"exporting {args.task} ({info['source']}, {info['dtype']}, {size[0]}x{size[1]}, "
           f"{'dynamic batch' if args.dynamic_batch else 'batch 1'}, RoPE {rope}) to {args.format} ...",
           file=sys.stderr)
@@ -450,15 +544,15 @@ def export(args) -> dict[str, float]:
               f"export killed earlier left in {path.parent}", file=sys.stderr)
     try:
         with safe_io.staging_folder(path.parent, prefix=prefix) as staging:
-            write(wrapper, example, staging / path.name, args.dynamic_batch, info)
-            differences = compare(run(staging / path.name, example), expected)
-            bound = tolerance(dtype, rope)
-            summary = ", ".join(f"{name} {d:.2e}" for name, d in differences.items())
-            print(f"max relative difference vs eager ({info['dtype']}, RoPE {rope}, tolerance {bound:.0e}): "
-                  f"{summary}")
-            if not all(d <= bound for d in differences.values()):  # (NaN fails too)
-                raise CheckFailed(f"the {args.format} artifact differs from eager by more than {bound:.0e}: "
-                                  f"{path} not written")
+            # with --quantize the fp32 export is checked in a folder of its own, quantized, then removed
+            artifact = staging / "fp32" / path.name if args.quantize else staging / path.name
+            artifact.parent.mkdir(exist_ok=True)
+            write(wrapper, example, artifact, args.dynamic_batch, info)
+            differences = compare(run(artifact, example), expected)
+            check_against_eager(differences, tolerance(dtype, rope), info, rope, args.format, path)
+            if args.quantize:
+                quantize_and_compare(args.task, artifact, staging / path.name, example, path)
+                shutil.rmtree(artifact.parent)
             written = {item.name for item in staging.iterdir()}
     except OSError as error:  # the staged files are removed; an earlier file at -o stays as it was
         raise WriteFailed(write_error_text(path, error)) from None
@@ -469,6 +563,27 @@ def export(args) -> dict[str, float]:
     if random:
         print(random_banner(args.task, args.random_init), file=sys.stderr)
     return differences
+
+
+def check_against_eager(differences: dict[str, float], bound: float, info: dict, rope: str, fmt: str, path: Path):
+    summary = ", ".join(f"{name} {d:.2e}" for name, d in differences.items())
+    print(f"max relative difference vs eager ({info['dtype']}, RoPE {rope}, tolerance {bound:.0e}): {summary}")
+    if not all(d <= bound for d in differences.values()):  # (NaN fails too)
+        raise CheckFailed(f"the {fmt} artifact differs from eager by more than {bound:.0e}: {path} not written")
+
+
+def quantize_and_compare(task: str, fp32_path: Path, int8_path: Path, example: torch.Tensor, path: Path):
+    """int8_path <- fp32_path quantized; prints the int8 model's agreement with fp32 on the check input and the
+    two sizes. Only an output that is not finite fails (CheckFailed): int8 is not held to fp32's tolerance."""
+    print("quantizing the fp32 export to int8 (onnxruntime dynamic quantization) ...", file=sys.stderr)
+    quantize_int8(fp32_path, int8_path)
+    try:
+        numbers = int8_agreement(task, run_onnx(int8_path, example), run_onnx(fp32_path, example))
+    except CheckFailed as error:
+        raise CheckFailed(f"{error}: {path} not written") from None
+    print(f"int8 vs fp32 export (the same input): {agreement_text(numbers)}")
+    int8_mb, fp32_mb = onnx_bytes(int8_path) / 2**20, onnx_bytes(fp32_path) / 2**20
+    print(f"int8 model {int8_mb:.1f} MiB, fp32 {fp32_mb:.1f} MiB ({int8_mb / fp32_mb:.2f}x)")
 
 
 def write_error_text(path: Path, error: OSError) -> str:

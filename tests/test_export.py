@@ -10,6 +10,7 @@ onnx, onnxscript and onnxruntime come from requirements-test.txt.
 """
 
 import json
+import math
 import os
 import sys
 
@@ -156,6 +157,86 @@ def test_onnx_fp16_fixed_size_by_default_and_size_option(checkpoints, tmp_path, 
         session.run(None, {"pixel_values": export.example_input(2, (32, 64)).numpy()})
 
 
+# int8 vs fp32 on the tiny models: int8 weights (one scale per tensor: steps of max|w| / 127) and uint8 activations
+# (steps of 1/255 of each tensor's range) move each output by about a percent of its range (measured on the check
+# input: seg logits 1.7e-2 max relative, 99.5% of pixels of the same class; pose heatmaps 2.4e-2, peaks 0.44 px
+# apart on a 16x12 heatmap, where two random peaks are ~6 px apart). The bars are several times that: they catch a
+# broken quantization (a scale or layout mix-up moves outputs by their whole range), not a percent.
+INT8_BARS = {"max relative": 0.1, "pixels of the same class": 0.9, "keypoint distance px": 2.0}
+
+
+def printed_agreement(out: str) -> dict[str, float]:
+    """The numbers of export.py's `int8 vs fp32 export ...:` line, by name."""
+    line = next(line for line in out.splitlines() if line.startswith("int8 vs fp32 export"))
+    numbers = {}
+    for item in line.split(": ", 1)[1].split(", "):
+        name, value = item.rsplit(" ", 1)
+        numbers[name] = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    return numbers
+
+
+@pytest.mark.parametrize("task", ["seg", "pose"])
+def test_onnx_int8_is_smaller_runs_and_agrees_with_fp32(task, checkpoints, tmp_path, capsys, monkeypatch):
+    fp32, int8 = tmp_path / "fp32" / f"{task}.onnx", tmp_path / "int8" / f"{task}.onnx"
+    if task == "pose":  # weights beside the graph (NAME.onnx.data), as for models over 1.5 GB: int8 keeps them there
+        monkeypatch.setattr(onnx_program_module, "_LARGE_MODEL_THRESHOLD", 0)
+    assert run_export(task, "--model", checkpoints[task], "-o", fp32) == 0
+    assert run_export(task, "--model", checkpoints[task], "-o", int8, "--quantize", "int8") == 0
+    out = capsys.readouterr().out
+    weights_file = [f"{int8.name}.data"] if task == "pose" else []
+    assert sorted(p.name for p in int8.parent.iterdir()) == [int8.name] + weights_file  # no fp32 or staging left
+    print(f"{task}: int8 {export.onnx_bytes(int8)} bytes, fp32 {export.onnx_bytes(fp32)} bytes")
+    assert export.onnx_bytes(int8) < 0.8 * export.onnx_bytes(fp32)
+    model = onnx.load(str(int8))
+    assert "MatMulInteger" in {node.op_type for node in model.graph.node}
+    info = json.loads({p.key: p.value for p in model.metadata_props}["sapiens2"])
+    assert info["quantization"] == export.QUANTIZATION["int8"]
+    numbers = printed_agreement(out)
+    print(task, numbers)
+    name = export.OUTPUTS[task][0]
+    assert 0 < numbers[f"{name} max relative"] <= INT8_BARS["max relative"]  # 0: nothing was quantized
+    if task == "seg":
+        assert numbers["pixels of the same class"] >= INT8_BARS["pixels of the same class"]
+    else:
+        assert numbers["keypoint distance px"] <= INT8_BARS["keypoint distance px"]
+    pixels = pixels_for(task, 1)  # another input than the check's, through onnxruntime
+    session = onnxruntime.InferenceSession(str(int8), providers=["CPUExecutionProvider"])
+    got = dict(zip(export.OUTPUTS[task], map(torch.from_numpy, session.run(None, {"pixel_values": pixels.numpy()}))))
+    assert rel_err(got[name], eager(task, checkpoints[task], pixels)[name]) <= INT8_BARS["max relative"]
+
+
+def test_int8_agreement_numbers_on_known_outputs():
+    logits = torch.zeros(1, 3, 2, 2)
+    logits[0, 0] = 1  # class 0 everywhere
+    moved = logits.clone()
+    moved[0, 2, 1, 1] = 2  # one pixel of four becomes class 2
+    numbers = export.int8_agreement("seg", {"logits": moved}, {"logits": logits})
+    assert numbers == {"logits max relative": 2.0, "logits mean abs": 2 / 12, "pixels of the same class": 0.75}
+    heatmaps = torch.zeros(1, 2, 8, 8)
+    heatmaps[0, :, 1, 1] = 1
+    shifted = torch.zeros(1, 2, 8, 8)
+    shifted[0, 0, 1, 1] = shifted[0, 1, 5, 4] = 1  # the second keypoint's peak moves by (3, 4): 5 pixels
+    assert export.int8_agreement("pose", {"heatmaps": shifted}, {"heatmaps": heatmaps})["keypoint distance px"] == 2.5
+    normals = torch.tensor([1.0, 0, 0]).view(1, 3, 1, 1)
+    turned = torch.tensor([0.0, 1, 0]).view(1, 3, 1, 1)
+    angle = export.int8_agreement("normal", {"normals": turned}, {"normals": normals})["normal angle deg"]
+    assert angle == pytest.approx(90.0, abs=1e-9)
+
+
+def test_int8_outputs_that_are_not_finite_fail_the_check(checkpoints, tmp_path, monkeypatch, capsys):
+    real_run = export.run_onnx
+
+    def nan_from_int8(file, pixels):  # the fp32 export is checked in the staging folder's fp32/
+        outputs = real_run(file, pixels)
+        return outputs if file.parent.name == "fp32" else {name: t * math.nan for name, t in outputs.items()}
+
+    monkeypatch.setattr(export, "run_onnx", nan_from_int8)
+    assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx", "--quantize", "int8") == 1
+    err = capsys.readouterr().err
+    assert "error: the int8 model's logits has values that are not finite: " in err and "not written" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_torch_export_bf16_within_its_tolerance(checkpoints, tmp_path):
     """Not bit-identical in bf16: eager SwiGLU works in place at inference and hands w3 a strided tensor, whose
     bf16 matmul rounds differently from the exported graph's contiguous one (equal in fp32)."""
@@ -250,6 +331,14 @@ def test_missing_onnx_package_one_line_hint(missing, checkpoints, tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_missing_quantization_tools_one_line_hint(checkpoints, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime.quantization", None)  # makes its import raise ImportError
+    assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx", "--quantize", "int8") == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --quantize int8 needs onnxruntime.quantization: {export.QUANTIZE_HINT}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, message", [
     (["pointmap", "--size", "64x48"], "--size 64x48: a 64x48 input does not fit the pointmap scale branch"),
     (["seg", "--dtype", "bf16"], "--format onnx --dtype bf16: ONNX Runtime has no bf16 kernels"),
@@ -257,6 +346,10 @@ def test_missing_onnx_package_one_line_hint(missing, checkpoints, tmp_path, monk
     (["seg", "-o", "{tmp}/a_file/seg.onnx"], "cannot create its folder"),
     (["seg", "-o", "{tmp}/folder.onnx"], "is a folder"),
     (["features", "--model", "{tmp}/nothing.safetensors"], "no such file"),
+    (["seg", "--quantize", "int8", "--format", "torch-export", "-o", "{tmp}/seg.pt2"],
+     "--quantize int8 is for --format onnx"),
+    (["seg", "--quantize", "int8", "--dtype", "fp16"],
+     "--quantize int8 quantizes an fp32 export; drop --dtype float16"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(argv, message, checkpoints, tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
