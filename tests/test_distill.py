@@ -6,16 +6,18 @@ agreement metrics equal a direct computation."""
 import json
 import math
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 import train
 from sapiens2 import Sapiens2, Sapiens2Config, heads, losses, processing, weights
 from sapiens2_app.predict import boxes
-from sapiens2_app.train import agreement, datasets, distill_data, distillation, starting_model
+from sapiens2_app.train import agreement, datasets, distill_data, distillation, distributed, starting_model
 from test_train import HEADS, SIZE, checkpoint_tensors, make_dataset, read_log, run_train, tiny_backbone, torchrun
 
 
@@ -225,19 +227,116 @@ def test_resume_is_exact_with_a_teacher(seg_teacher, whole_run, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_two_processes_equal_one_with_a_teacher(seg_teacher, whole_run, tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_two_processes_equal_one_with_a_teacher(engine, seg_teacher, whole_run, tmp_path):
     """2 gloo processes x batch 2 == 1 process x batch 2 x accumulate 2: each process runs its own copy of the
     teacher on its own samples; the student's weights and optimizer state agree (test_train's tolerance: the
-    gradients are summed in another order)."""
+    gradients are summed in another order). Under FSDP2 the student's blocks are sharded and recompute their
+    activations (--checkpoint-activations), which must not change the numbers either; the files gathered from the
+    shards hold the student's tensors and Adam's moments of them, the same names as the one-process run's: none of
+    the teacher (which no wrapper holds: test_fsdp_never_wraps_the_teacher)."""
     teacher, photos, student = seg_teacher
+    engine_options = ["--fsdp", "--checkpoint-activations"] if engine == "fsdp" else []
     torchrun("seg", "--data", photos, "-o", tmp_path / "two", "--model", student, "--teacher", teacher, "--head",
-             HEADS["seg"], "--workers", 0, "--no-progress", "--warmup", 0, "--layer-decay", 1, "--clip-grad", 0, *RUN)
+             HEADS["seg"], "--workers", 0, "--no-progress", "--warmup", 0, "--layer-decay", 1, "--clip-grad", 0, *RUN,
+             *engine_options)
     one, two = checkpoint_tensors(whole_run), checkpoint_tensors(tmp_path / "two")
     assert one.keys() == two.keys()
     noise = [k for k in one if k.startswith("decode_head.conv_layers.") and "bias" in k]  # (test_train's reason)
     bad = {k: (two[k] - one[k]).abs().max().item() for k in one if k not in noise
            and not torch.allclose(two[k], one[k], atol=2e-5, rtol=1e-4)}
     assert not bad, bad
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_fsdp_bf16_and_recomputation_leave_the_teacher_alone(seg_teacher, tmp_path, monkeypatch):
+    """A distillation run under FSDP2 (one process in a gloo group, as torchrun --nproc-per-node 1 makes it), bf16
+    autocast and --checkpoint-activations: in every forward the teacher is the model loaded from --teacher, not
+    wrapped or sharded, in eval mode, without gradients, its matmuls in bf16 (under the student's autocast); after
+    it, no parameter of the teacher has a gradient or changed, and the checkpoint holds the student's fp32 tensors
+    and Adam's two moments of them: none of the teacher."""
+    teacher, photos, student = seg_teacher
+    _, fsdp_module = distributed.fsdp2()
+    loaded, seen = [], []
+    load = distillation.load_teacher
+
+    def load_and_watch(*args):
+        model = load(*args)
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Linear):  # every linear layer: its output dtype, and the state around it
+                layer.register_forward_hook(lambda layer, inputs, output: seen.append(
+                    (output.dtype, torch.is_grad_enabled(), model.training)))
+        loaded.append(model)
+        return model
+    monkeypatch.setattr(distillation, "load_teacher", load_and_watch)
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "fsdp"
+    assert distill("seg", photos, out, student, teacher, "--steps", 2, "--lr", "1e-3", "--eval-every", 0,
+                   "--fsdp", "--checkpoint-activations", "--precision", "bf16") == 0
+    assert not torch.distributed.is_initialized()  # the run left its group
+
+    (model,) = loaded
+    assert seen and set(seen) == {(torch.bfloat16, False, False)}, set(seen)
+    assert not isinstance(model, fsdp_module) and not any(isinstance(m, fsdp_module) for m in model.modules())
+    assert not any(isinstance(p, DTensor) or p.grad is not None or p.requires_grad for p in model.parameters())
+    on_disk = weights.load(teacher).state_dict()
+    assert all(torch.equal(v, on_disk[k]) for k, v in model.state_dict().items())
+    assert all(math.isfinite(r["loss"]) for r in read_log(out) if "loss" in r)
+    saved, teacher_file = checkpoint_tensors(out), load_file(str(teacher / "model.safetensors"))
+    assert set(load_file(str(out / "model.safetensors"))) == set(teacher_file)  # one model's tensors
+    # fp32 weights and moments under autocast: each tensor of the dtype an fp32 run saves (the teacher's file: its
+    # RoPE periods are bf16 by design, sapiens2.Sapiens2Config.rope_dtype)
+    assert all(saved[k].dtype == v.dtype for k, v in teacher_file.items())
+    assert {v.dtype for k, v in saved.items() if k.startswith("state/") and v.numel() > 1} == {torch.float32}
+    moments = sum(v.numel() for k, v in saved.items() if k.startswith("state/") and v.numel() > 1)
+    assert moments == 2 * sum(p.numel() for p in model.parameters())
+
+
+BF16_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: each rounding is off by at most this, relative
+
+
+def test_student_gradients_with_recomputation_and_under_bf16():
+    """One distillation loss of a seg student (Distiller.loss, as train.py's step): its gradients with the blocks
+    recomputing their activations in the backward pass (--checkpoint-activations) equal those without; under bf16
+    autocast (the student's and, inside it, the teacher's matmuls and convolutions) the loss and the gradients are
+    fp32's up to bf16 rounding; the targets stay fp32."""
+    config = Sapiens2Config(32, 2, 2, full_attention_first=1, full_attention_last=1, image_size=SIZE)
+    head = heads.HeadConfig("seg", (16, 8, 8, 8), (8,), 3)
+    torch.manual_seed(0)
+    teacher = heads.build_task_model(config, head).requires_grad_(False).eval()
+    torch.manual_seed(5)
+    student = heads.build_task_model(config, head).train()
+    distiller = distillation.Distiller(distillation.Teacher(teacher, "seg", SIZE), "seg",
+                                       distillation.parse_weights("seg", None))
+    pixels = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+    assert distiller.teacher_outputs(pixels).logits.dtype == torch.float32
+
+    def loss_and_gradient(recompute: bool, bf16: bool):
+        student.zero_grad(set_to_none=True)
+        student.backbone.set_grad_checkpointing(recompute)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = distiller.loss(student, pixels)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in student.parameters()])
+
+    loss, gradient = loss_and_gradient(False, False)
+    # the same operations in the same order, run again in the backward pass (measured: bit-equal); fp32's default
+    # tolerance leaves room for a kernel that would choose another reduction order the second time
+    torch.testing.assert_close(loss_and_gradient(True, False), (loss, gradient))
+    # bf16: a few roundings of the inputs of each of the layers add up to a few BF16_ROUNDOFF (measured: loss
+    # 0.3, gradient 3 of them, relative); the bar, 8, leaves room for another platform's kernels
+    low_loss, low_gradient = loss_and_gradient(False, True)
+    assert abs(low_loss - loss) <= 8 * BF16_ROUNDOFF * abs(loss), (low_loss, loss)
+    error = ((low_gradient - gradient).norm() / gradient.norm()).item()
+    assert error <= 8 * BF16_ROUNDOFF, error
+    assert teacher.decode_head.predictor.weight.grad is None
 
 
 # ----------------------------------------------------------------------------------------------------
