@@ -232,14 +232,17 @@ def test_two_processes_equal_one_with_a_teacher(engine, seg_teacher, whole_run, 
     """2 gloo processes x batch 2 == 1 process x batch 2 x accumulate 2: each process runs its own copy of the
     teacher on its own samples; the student's weights and optimizer state agree (test_train's tolerance: the
     gradients are summed in another order). Under FSDP2 the student's blocks are sharded and recompute their
-    activations (--checkpoint-activations), which must not change the numbers either; the files gathered from the
-    shards hold the student's tensors and Adam's moments of them, the same names as the one-process run's: none of
-    the teacher (which no wrapper holds: test_fsdp_never_wraps_the_teacher)."""
+    activations (--checkpoint-activations), which must not change the numbers either, and the run stops after step
+    2 and resumes (the teacher reloaded, the sharded optimizer state through the files); the files gathered from
+    the shards hold the student's tensors and Adam's moments of them, the same names as the one-process run's:
+    none of the teacher (which no wrapper holds: test_fsdp_bf16_and_recomputation_leave_the_teacher_alone)."""
     teacher, photos, student = seg_teacher
-    engine_options = ["--fsdp", "--checkpoint-activations"] if engine == "fsdp" else []
+    engine_options = ["--fsdp", "--checkpoint-activations", "--stop-at", 2] if engine == "fsdp" else []
     torchrun("seg", "--data", photos, "-o", tmp_path / "two", "--model", student, "--teacher", teacher, "--head",
              HEADS["seg"], "--workers", 0, "--no-progress", "--warmup", 0, "--layer-decay", 1, "--clip-grad", 0, *RUN,
              *engine_options)
+    if engine == "fsdp":
+        torchrun("seg", "--data", photos, "-o", tmp_path / "two", "--resume")
     one, two = checkpoint_tensors(whole_run), checkpoint_tensors(tmp_path / "two")
     assert one.keys() == two.keys()
     noise = [k for k in one if k.startswith("decode_head.conv_layers.") and "bias" in k]  # (test_train's reason)
