@@ -1,7 +1,8 @@
 """train.py --teacher (sapiens2_app/train/distillation.py, distill_data.py, agreement.py) on tiny models: a student distilled
-from a briefly trained, then frozen, teacher on photos without labels comes to agree with it; the teacher sees the
-student's augmented pixels, stays frozen and unsaved; resume is exact; pose finds its people with the detector; the
-agreement metrics equal a direct computation."""
+from a briefly trained, then frozen, teacher on photos without labels comes to agree with it (albedo: and not with
+the targets of flipped pixels); the teacher sees the student's augmented pixels, stays frozen and unsaved, also under
+FSDP2, bf16 and recomputed activations; resume is exact; 2 processes (DDP, FSDP2) equal 1; pose finds its people
+with the detector; the agreement metrics equal a direct computation."""
 
 import json
 import math
