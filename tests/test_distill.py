@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import train
-from sapiens2 import Sapiens2, Sapiens2Config, heads, losses, processing, weights
+from sapiens2 import Sapiens2, Sapiens2Config, heads, processing, weights
 from sapiens2_app.predict import boxes
 from sapiens2_app.train import agreement, datasets, distill_data, distillation, distributed, starting_model
 from test_train import HEADS, SIZE, checkpoint_tensors, make_dataset, read_log, run_train, tiny_backbone, torchrun
@@ -146,27 +146,28 @@ def test_dense_student_comes_to_agree_with_a_frozen_teacher(task, tmp_path):
     assert improved(value["start"], value["end"]), value
 
 
-def albedo_model_through_a_sigmoid(path: Path, seed: int, data: Path, split: str, steps: int) -> Path:
-    """A tiny albedo model trained `steps` steps (AdamW, lr 3e-3, batch 4) on the labelled images of data/split
-    through a sigmoid, saved with the sigmoid's linear part folded into its last 1x1 conv: sigmoid(z) ~ clamp(z / 4
-    + 1/2, 0, 1), its value and slope at 0, so its raw output (which predict.py clamps) is an albedo.
+def albedo_teacher(path: Path, data: Path, steps: int = 60) -> Path:
+    """A tiny albedo model trained `steps` steps (AdamW, lr 3e-3, batch 4) on the labelled images of data/train:
+    the MSE of its output through a sigmoid; saved with the sigmoid's linear part folded into its last 1x1 conv,
+    sigmoid(z) ~ clamp(z / 4 + 1/2, 0, 1) (its value and slope at 0), so that its raw output (which predict.py
+    clamps) is an albedo.
 
     NOTE: why not train.py: trained on its raw output, as train.py and the original do, this tiny head learns one
     colour for every pixel of every image (docs/training.md#distillation): its features collapse to one vector in
-    ~25 steps, and neither teacher nor student then has anything spatial to agree on. Through a sigmoid they do not.
-    The student starts from such a model too (as one distils 1b into the released 0.4b albedo model, whose head is
-    trained), with its own backbone seed and the other split's images."""
-    torch.manual_seed(seed)
+    ~25 steps, and a teacher like that has nothing spatial to agree on. Through a sigmoid, with the MSE, each of 6
+    seeds learned the layout (15.2 to 16.9 dB on val/, where each image's flat mean colour gives 13.5); with the
+    task's loss (L1 first), 3 of 6 still collapsed, onto the median colour (2 of 6 after 120 steps)."""
+    torch.manual_seed(0)
     config = Sapiens2Config(32, 2, 2, full_attention_first=1, full_attention_last=1, image_size=SIZE)
     model = heads.build_task_model(config, heads.HeadConfig("albedo", (16, 8, 8, 8), (8,), 3))
     starting_model.init_new_head(model.decode_head, "albedo")
-    dataset = datasets.build_dataset("albedo", data, split, SIZE, False, {"out_channels": 3})
+    dataset = datasets.build_dataset("albedo", data, "train", SIZE, False, {"out_channels": 3})
     batch = datasets.collate([dataset[(i, 0)] for i in range(len(dataset))])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     for _ in range(steps):
         rows = torch.randperm(len(dataset))[:4]
         albedo = model(batch["pixel_values"][rows]).albedo.sigmoid()
-        loss = losses.albedo_loss(albedo, batch["labels"][rows], batch["mask"][rows])
+        loss = (albedo - batch["labels"][rows]).square().mean()  # (every pixel of these images is valid)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -177,6 +178,16 @@ def albedo_model_through_a_sigmoid(path: Path, seed: int, data: Path, split: str
     return weights.save(model.eval(), path)
 
 
+def noisy_copy(source: Path, path: Path, seed: int, scale: float = 0.5) -> Path:
+    """The model with Gaussian noise added to each weight tensor, `scale` times that tensor's standard deviation."""
+    model, generator = weights.load(source), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.numel() > 1:  # (a norm's weights are ones: their deviation is 0)
+                parameter += torch.randn(parameter.shape, generator=generator) * parameter.std() * scale
+    return weights.save(model, path)
+
+
 def flipped_pixels_loss(self, model, pixel_values):
     """Distiller.loss with the teacher's targets made from the vertically flipped pixels: the targets of another
     image of the same colours (the control that the agreement shows the teacher was followed)."""
@@ -185,17 +196,20 @@ def flipped_pixels_loss(self, model, pixel_values):
 
 
 def test_albedo_student_follows_its_teacher_and_not_the_targets_of_flipped_pixels(tmp_path, monkeypatch):
-    """The student's agree_PSNR to a frozen teacher rises when it learns the teacher's targets, and falls when it
-    learns the targets of the vertically flipped pixels instead (same colours, another layout). Measured: 16.1 dB
-    at the start; after 20 steps 25.6 dB (+9.5), with the flipped pixels' targets 16.4 dB (+0.4). The bar, a
-    4 dB rise, is under half the measured one."""
+    """The student's agree_PSNR to a frozen teacher rises when it learns the teacher's targets, and not when it
+    learns the targets of the vertically flipped pixels instead (same colours, another layout). The student starts
+    from the teacher's weights with noise of half their deviation: a tiny raw-output albedo student started
+    elsewhere (a new head, or a model trained apart) hardly moves towards a tiny teacher in a CPU budget
+    (docs/training.md#distillation). Measured: 19.8 dB at the start; after 40 steps 26.9 dB (+7.1), with the
+    flipped pixels' targets 21.5 dB (+1.7); over 5 pairs of seeds +4.3 to +7.1 dB against -3.5 to +1.7. The bars,
+    a 3 dB rise and 2.5 dB above the flipped run, are under half the measured 7.1 and 5.4."""
     data = make_dataset("albedo", tmp_path / "data", count=6)
-    teacher = albedo_model_through_a_sigmoid(tmp_path / "teacher.safetensors", 0, data, "train", 60)
-    student = albedo_model_through_a_sigmoid(tmp_path / "student.safetensors", 5, data, "val", 30)
+    teacher = albedo_teacher(tmp_path / "teacher.safetensors", data)
+    student = noisy_copy(teacher, tmp_path / "student.safetensors", seed=5)
     photos = photos_only(data, tmp_path / "photos")
     psnr = {}
-    for run, extra in (("start", ["--steps", 1, "--lr", "1e-12"]), ("end", ["--steps", 20, "--lr", "1e-2"]),
-                       ("flipped", ["--steps", 20, "--lr", "1e-2"])):
+    for run, extra in (("start", ["--steps", 1, "--lr", "1e-12"]), ("end", ["--steps", 40, "--lr", "3e-3"]),
+                       ("flipped", ["--steps", 40, "--lr", "3e-3"])):
         if run == "flipped":
             monkeypatch.setattr(distillation.Distiller, "loss", flipped_pixels_loss)
         args = ["albedo", "--data", photos, "-o", tmp_path / run, "--model", student, "--teacher", teacher,
@@ -203,7 +217,7 @@ def test_albedo_student_follows_its_teacher_and_not_the_targets_of_flipped_pixel
                 "--clip-grad", 0, "--eval-every", 0, *extra]  # no --head: the student continues its own
         assert train.main([str(a) for a in args]) == 0
         psnr[run] = [r["eval"] for r in read_log(tmp_path / run) if "eval" in r][-1]["agree_PSNR"]
-    assert psnr["end"] > psnr["start"] + 4 > psnr["flipped"], psnr
+    assert psnr["end"] > psnr["start"] + 3 and psnr["end"] > psnr["flipped"] + 2.5, psnr
 
 
 RUN = ["--steps", 4, "--batch-size", 2, "--lr", "1e-3", "--eval-every", 0]  # global batch 4 in each form below
