@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from . import attention_triton as base
-from .attention_triton import (AUTOTUNE_KEY, LOG2E, FlashAttention, _dot, _load_rows, attention_delta, dot_precision,
-                               head_dim_chunks)
+from .attention_triton import (AUTOTUNE_KEY, LOG2E, FlashAttention, _dot, _load_rows, _store_chunks, attention_delta,
+                               dot_precision, head_dim_chunks)
 from .dispatch import launched_on_device
 from .grid_triton import (aligned_heads, batch_bucket, check_attention_inputs, check_image_elements, check_out,
                           config_label, drop_excluded, empty_bnhd, excluded_configs, flat_grid, heads_aligned,
@@ -284,11 +284,9 @@ def _query_rows(desc, image_base, h, start_m, N, sh, sn, sd, col0, HEAD_DIM: tl.
     descriptor (one descriptor serves every head the loop visits)."""
     if TMA:
         return tl.reshape(desc.load([start_m, h.to(tl.int32), col0]), [BLOCK_M, COLS])
-    else:
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = col0 + tl.arange(0, COLS)
-        ptrs = image_base + h * sh + offs_m[:, None] * sn + offs_d[None, :] * sd
-        return tl.load(ptrs, mask=(offs_m < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:  # the base kernel's masked load of one head's rows
+        return _load_rows(image_base + h * sh, start_m, N, sn, sd, ROWS=BLOCK_M, COL0=col0, COLS=COLS,
+                          HEAD_DIM=HEAD_DIM, MASK_ROWS=True)
 
 
 @triton.jit
@@ -387,6 +385,8 @@ def _attn_bwd_dkdv_hopper_kernel(
     """
     tile, b, g = program_coords(tl.cdiv(N, BLOCK_N), HKV)
     start_n = tile * BLOCK_N
+    # NOTE: not the base file's _load_chunks: its masked loads also mask chunk 0's columns (all < HEAD_DIM), which
+    # at HEAD_DIM = 76 leaves no 128-bit loads (bench/inspect_kernels.py, 5b); here chunk 0 is masked by rows only.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
@@ -451,6 +451,8 @@ def _attn_bwd_dkdv_hopper_kernel(
                                TMA)
         dk0, dk1 = _dkdv_keys(dsT, q0, q1, dk0, dk1, D1, PRECISION)
 
+    # NOTE: stored chunk by chunk (dK and dV of chunk 0, then of chunk 1); the base file's _store_chunks order (all
+    # of dK, then dV) changes the register allocation (5b, 32x64w4s4: 168 -> 255 registers).
     dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
     dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
     dk_dtype = dk_ptr.dtype.element_ty
@@ -529,6 +531,7 @@ def _attn_bwd_dq_hopper_kernel(
     start_m = tile * BLOCK_M
     bh = b * HQ + h
     g = h // GROUP
+    # NOTE: q and dO loaded as in the dK/dV kernel (chunk 0 masked by rows only: 128-bit loads at HEAD_DIM = 76)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
@@ -583,12 +586,8 @@ def _attn_bwd_dq_hopper_kernel(
         dq0, dq1 = _dq_accumulate(ds, dq0, dq1, k_desc0, k_desc1, k_base, b, g, n_full, N, skn, skd, HEAD_DIM, D0, D1,
                                   BLOCK_N, True, TMA, PRECISION)
 
-    dq_rows = dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqn
-    dq_dtype = dq_ptr.dtype.element_ty
-    tl.store(dq_rows + offs_d0[None, :] * sdqd, (dq0 * scale).to(dq_dtype), mask=mask_m[:, None])
-    if D1 > 0:
-        tl.store(dq_rows + offs_d1[None, :] * sdqd, (dq1 * scale).to(dq_dtype),
-                 mask=mask_m[:, None] & mask_d1[None, :])
+    _store_chunks(dq_ptr + b * sdqb + h * sdqh, start_m, N, sdqn, sdqd, dq0 * scale, dq1 * scale, ROWS=BLOCK_M,
+                  HEAD_DIM=HEAD_DIM, D0=D0, D1=D1)
 
 
 # ----------------------------------------------------------------------------------------------------
