@@ -51,12 +51,16 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 def _load_rows(head_ptr, row0, n_rows, stride_row, stride_col, ROWS: tl.constexpr, COL0: tl.constexpr,
                COLS: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr):
     """Rows row0 .. row0 + ROWS, columns COL0 .. COL0 + COLS of one head: zero past n_rows and past HEAD_DIM.
-    Masks only where a tile can be ragged, so the full tiles stay plain (vectorized, pipelined) loads."""
+    Masks only where a tile can be ragged, so the full tiles stay plain (vectorized, pipelined) loads. The columns are
+    masked only in a chunk that runs past the head: inside it, cols < 76 is true but Triton cannot prove it, and
+    would narrow the loads (no 128-bit loads at head dim 76)."""
     rows = row0 + tl.arange(0, ROWS)
     cols = COL0 + tl.arange(0, COLS)
     ptrs = head_ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
-    if MASK_ROWS:
+    if MASK_ROWS and COL0 + COLS > HEAD_DIM:
         return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
     elif COL0 + COLS > HEAD_DIM:
         return tl.load(ptrs, mask=(cols < HEAD_DIM)[None, :], other=0.0)
     else:
@@ -106,8 +110,7 @@ def _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, start_n, N, skn,
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One step of the online softmax: keys start_n .. start_n + BLOCK_N into (acc, m, l)."""
-    k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
-                          MASK_ROWS=MASK_N)
+    k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, MASK_ROWS=MASK_N)
     s = _dot_t(q0, q1, k0, k1, D1=D1, PRECISION=PRECISION)  # (BLOCK_M, BLOCK_N)
     if MASK_N:
         s = tl.where((start_n + tl.arange(0, BLOCK_N) < N)[None, :], s, float("-inf"))
@@ -115,8 +118,7 @@ def _fwd_key_tile(q0, q1, acc0, acc1, m_i, l_i, k_head, v_head, start_n, N, skn,
     p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, 1)
-    v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
-                          MASK_ROWS=MASK_N)
+    v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, MASK_ROWS=MASK_N)
     p = p.to(v0.dtype)
     acc0 = _dot(p, v0, acc0 * alpha[:, None], PRECISION=PRECISION)
     if D1 > 0:
@@ -246,10 +248,8 @@ def _dq_key_tile(q0, q1, do0, do1, dq0, dq1, lse, delta, k_head, v_head, start_n
                  HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASK_N: tl.constexpr, PRECISION: tl.constexpr):
     """dQ += dS K for keys start_n .. start_n + BLOCK_N, dS = P * (dP - delta), P recomputed from lse."""
-    k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
-                          MASK_ROWS=MASK_N)
-    v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1,
-                          MASK_ROWS=MASK_N)
+    k0, k1 = _load_chunks(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, MASK_ROWS=MASK_N)
+    v0, v1 = _load_chunks(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, HEAD_DIM=HEAD_DIM, D0=D0, D1=D1, MASK_ROWS=MASK_N)
     s = _dot_t(q0, q1, k0, k1, D1=D1, PRECISION=PRECISION)
     dp = _dot_t(do0, do1, v0, v1, D1=D1, PRECISION=PRECISION)
     p = tl.math.exp2(s * qk_scale - lse[:, None])

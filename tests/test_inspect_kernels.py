@@ -67,6 +67,9 @@ def test_5b_kernels_on_hopper(cuobjdump, tmp_path):
         assert attn["hgmma"] > 0 and attn["ldgsts"] > 0  # wgmma, and cp.async pipelining of K/V
         assert attn["constexprs"]["HEAD_DIM"] == 76 and attn["grid"] == [25 * 8 * 32]
     assert rows["_attn_fwd_kernel"]["loop_ex2_under_wgmma"] == 0  # the base kernel: MMA and softmax alternate
+    # 128-bit loads at head dim 76 too: the first 64 columns are loaded without a column mask (a true cols < 76
+    # that Triton cannot prove would narrow them; before, this row had none).
+    assert rows["_attn_fwd_kernel"]["ldg_128bit"] > 0
 
 
 def test_gqa_packed_forward_on_hopper(cuobjdump, tmp_path):
