@@ -385,23 +385,19 @@ def _attn_bwd_dkdv_hopper_kernel(
     """
     tile, b, g = program_coords(tl.cdiv(N, BLOCK_N), HKV)
     start_n = tile * BLOCK_N
-    # NOTE: not the base file's _load_chunks: its masked loads also mask chunk 0's columns (all < HEAD_DIM), which
-    # at HEAD_DIM = 76 leaves no 128-bit loads (bench/inspect_kernels.py, 5b); here chunk 0 is masked by rows only.
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d0 = tl.arange(0, D0)
-    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
-    mask_n = offs_n < N
-    mask_d1 = offs_d1 < HEAD_DIM
-
-    k_rows = k_ptr + b * skb + g * skh + offs_n[:, None] * skn
-    v_rows = v_ptr + b * svb + g * svh + offs_n[:, None] * svn
-    k0 = tl.load(k_rows + offs_d0[None, :] * skd, mask=mask_n[:, None], other=0.0)  # (BLOCK_N, D0)
-    v0 = tl.load(v_rows + offs_d0[None, :] * svd, mask=mask_n[:, None], other=0.0)
+    # NOTE: the chunks in the order k0, v0, k1, v1 (the base file's _load_chunks of k, then of v, changes the
+    # compiled code); each through its _load_rows.
+    k_head = k_ptr + b * skb + g * skh
+    v_head = v_ptr + b * svb + g * svh
+    k0 = _load_rows(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, COL0=0, COLS=D0, HEAD_DIM=HEAD_DIM, MASK_ROWS=True)
+    v0 = _load_rows(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, COL0=0, COLS=D0, HEAD_DIM=HEAD_DIM, MASK_ROWS=True)
     dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
     dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
     if D1 > 0:
-        k1 = tl.load(k_rows + offs_d1[None, :] * skd, mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
-        v1 = tl.load(v_rows + offs_d1[None, :] * svd, mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
+        k1 = _load_rows(k_head, start_n, N, skn, skd, ROWS=BLOCK_N, COL0=D0, COLS=D1, HEAD_DIM=HEAD_DIM,
+                        MASK_ROWS=True)
+        v1 = _load_rows(v_head, start_n, N, svn, svd, ROWS=BLOCK_N, COL0=D0, COLS=D1, HEAD_DIM=HEAD_DIM,
+                        MASK_ROWS=True)
         dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
         dv1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
     else:  # unused placeholders
@@ -453,6 +449,11 @@ def _attn_bwd_dkdv_hopper_kernel(
 
     # NOTE: stored chunk by chunk (dK and dV of chunk 0, then of chunk 1); the base file's _store_chunks order (all
     # of dK, then dV) changes the register allocation (5b, 32x64w4s4: 168 -> 255 registers).
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d0 = tl.arange(0, D0)
+    offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
+    mask_n = offs_n < N
+    mask_d1 = offs_d1 < HEAD_DIM
     dk_rows = dk_ptr + b * sdkb + g * sdkh + offs_n[:, None] * sdkn
     dv_rows = dv_ptr + b * sdvb + g * sdvh + offs_n[:, None] * sdvn
     dk_dtype = dk_ptr.dtype.element_ty
@@ -531,7 +532,8 @@ def _attn_bwd_dq_hopper_kernel(
     start_m = tile * BLOCK_M
     bh = b * HQ + h
     g = h // GROUP
-    # NOTE: q and dO loaded as in the dK/dV kernel (chunk 0 masked by rows only: 128-bit loads at HEAD_DIM = 76)
+    # NOTE: q and dO written out, not through the base file's _load_rows as k and v are in the dK/dV kernel: that
+    # changes the register allocation of 5 of the 48 rows (bench/inspect_kernels.py; 0.4b TMA + overlap 206 -> 210).
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1 if D1 > 0 else 16)
