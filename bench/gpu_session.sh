@@ -48,6 +48,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEADLINE=${DEADLINE:-540}
 MIN_STEP=${MIN_STEP:-8}                 # a step starts only with at least this many seconds left
+KILL_AFTER=5                            # seconds between a step's INT at its limit and its KILL
 LIMIT_DIVISOR=${LIMIT_DIVISOR:-1}       # the CPU rehearsal shrinks every step's limit by this factor
 ALL_STEPS="tests sdpa forced autotune qk 5b 0.8b e2e pipeline predict compile"
 STEPS=${STEPS:-$ALL_STEPS}
@@ -92,6 +93,7 @@ CUDA_TESTS=(  # attention_triton.py's forward/backward at D = 80 (0.8b), 76 (5b)
 )
 
 elapsed() { echo $(( $(date +%s) - START )); }
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
 left() { echo $(( DEADLINE - $(elapsed) )); }
 say() { echo "$*" | tee -a "$LOG"; }
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -106,12 +108,15 @@ run() {  # run NAME LIMIT command...: under LIMIT s, never past DEADLINE, its ou
     if (( l < MIN_STEP )); then say "== $name: not run, ${l}s left"; SUMMARY+=("$name: not run (deadline)"); return; fi
     (( limit > l )) && limit=$l
     say "== $name (limit ${limit}s) at $(elapsed)s"
-    local began; began=$(date +%s)
-    timeout --signal=INT --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local began; began=$(now_ms)
+    timeout --signal=INT --kill-after="$KILL_AFTER" "$limit" "$@" 2>&1 | tee -a "$LOG"
     RC=${PIPESTATUS[0]}
-    local what="exit $RC"
+    local ran=$(( $(now_ms) - began )) what="exit $RC"
     (( RC > 128 )) && what="killed by signal $(( RC - 128 )) (exit $RC)"
-    if (( RC == 124 || (RC == 137 && $(date +%s) - began >= limit) )); then
+    # timeout exits 124 when INT stopped the command at its limit, and 137 when the command outlived INT and was
+    # killed KILL_AFTER s later, so a 137 that came sooner is a kill from outside (the OOM killer, a fault). In
+    # milliseconds: whole seconds of `date +%s` can count a 0.1 s run as a 1 s one, i.e. as one at its limit.
+    if (( RC == 124 || (RC == 137 && ran >= (limit + KILL_AFTER) * 1000) )); then
         STOPPED=1 what="stopped at its ${limit}s limit (exit $RC)"
     fi
     say "== $name: $what at $(elapsed)s"

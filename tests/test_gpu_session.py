@@ -73,6 +73,9 @@ for row in rows:
     if os.environ.get("STUB_HANG") and re.search(os.environ["STUB_HANG"], command):
         time.sleep(1000)  # past its limit: timeout stops it
     if os.environ.get("STUB_KILL"):
+        if os.environ.get("STUB_SLOW_KILL") and re.search(os.environ["STUB_SLOW_KILL"], command):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # outlives timeout's INT at its limit, and then is
+            time.sleep(1.5)  # killed from outside, before timeout's own KILL would come
         os.kill(os.getpid(), signal.SIGKILL)  # killed after its first row
 '''
 
@@ -114,7 +117,8 @@ def test_every_step_keeps_its_rows_when_killed(tmp_path):
     kept out of autotuning, the two Triton variables are set in every step, at most 8 files come back, and the
     step limits fit the deadline."""
     proc, out, calls, seconds = rehearse(tmp_path, STUB_KILL="1", STUB_CRASH="--impls triton[128x64w8s3to]",
-                                         STUB_HANG="--impls triton,auto$", LIMIT_DIVISOR="80")
+                                         STUB_HANG="--impls triton,auto$", STUB_SLOW_KILL="hf,ours-triton",
+                                         LIMIT_DIVISOR="80")
     assert proc.returncode == 0, proc.stderr
     log = (out / "gpu-session.log").read_text()
     steps = [c["args"] for c in program_calls(calls)]
@@ -136,6 +140,7 @@ def test_every_step_keeps_its_rows_when_killed(tmp_path):
     assert set(excluded[:8]) == {""} and set(excluded[8:]) == {"128x64w8s3to"}
     assert "forced variants without a timed row: 128x64w8s3to" in log
     assert "== autotune: stopped at its 1s limit (exit 124)" in log
+    # e2e is killed 1.5 s into its 1 s limit: still a kill, not a stop at the limit (timeout's KILL comes 5 s later)
     assert "== e2e: killed by signal 9 (exit 137)" in log and "== compile: killed by signal 9 (exit 137)" in log
     assert "== forced 128x64w8s3to: killed by signal 6 (exit 134)" in log  # the faulting one, named
     # the first row of each killed step survived
