@@ -10,8 +10,9 @@ The page (sapiens2_app/serve/static/) drops photos onto the server and shows eac
 file predict.py would write can be downloaded, byte for byte the same, and for each photo an attention explorer
 shows the attention of any patch, the CLS token or a register, per block and head, and the token norms per block.
 The page uses only the HTTP API that scripts can use too (docs/serve.md). The modules: sapiens2_app/serve/serve_http.py
-(routes and request checks), serve_uploads.py (multipart, photo checks), serve_jobs.py (jobs, the worker, expiry),
-serve_attention.py (attention rows, heat maps, token norms).
+(routes and request checks), serve_requests.py (Host/Origin, Content-Length, query and header values), serve_server.py
+(the server, its connection bound), serve_uploads.py (multipart, photo checks), serve_jobs.py (jobs, the worker,
+expiry), serve_attention.py (attention rows, heat maps, token norms).
 
 It binds 127.0.0.1: only this machine can reach it. Results live in a temporary folder removed at exit. Ctrl-C or
 SIGTERM stops it within seconds. Exit status: 0 when stopped so, 2 when it cannot start (bad arguments, port in
@@ -35,8 +36,10 @@ from sapiens2_app.predict.models import (CONVENTIONS, RANDOM_INIT, LoadedModel, 
                                          random_banner)
 from sapiens2_app.common.safe_io import signals_deferred
 from sapiens2_app.serve.serve_attention import Explorer
-from sapiens2_app.serve.serve_http import LOOPBACK_NAMES, App, Service, limits_json
+from sapiens2_app.serve.serve_http import App
 from sapiens2_app.serve.serve_jobs import JobStore, ServeModels, Worker
+from sapiens2_app.serve.serve_requests import LOOPBACK_NAMES, limits_json
+from sapiens2_app.serve.serve_server import Service
 
 DEFAULT_TASKS = "seg,normal,pointmap,pose"
 DEFAULT_PORT = 8765

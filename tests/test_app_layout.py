@@ -22,6 +22,7 @@ ALLOWED = {
     "serve": {"common", "predict"},  # every job runs predict's inference and outputs
 }
 MAX_MODULES = 15  # a folder a reader can take in at once
+MAX_LINES = 450  # the design rule (README, layout): one module per concern, a few hundred lines, ~450 at most
 
 
 def imported_names(path: Path) -> set[str]:
@@ -54,6 +55,14 @@ def test_the_app_is_the_folders_of_the_table():
         modules = [p for p in (APP / folder).glob("*.py") if p.name != "__init__.py"]
         assert (APP / folder / "__init__.py").is_file(), f"sapiens2_app/{folder}/ has no __init__.py"
         assert len(modules) <= MAX_MODULES, f"sapiens2_app/{folder}/ has {len(modules)} modules (> {MAX_MODULES})"
+
+
+def test_every_app_module_is_at_most_max_lines():
+    """A module past MAX_LINES holds more than one concern: split it by concern, not by line count."""
+    lengths = {path: len(path.read_text(encoding="utf-8").splitlines()) for path in sorted(APP.rglob("*.py"))}
+    over = [f"sapiens2_app/{path.relative_to(APP).as_posix()}: {count} lines"
+            for path, count in lengths.items() if count > MAX_LINES]
+    assert not over, f"app modules over {MAX_LINES} lines (split them by concern):\n" + "\n".join(over)
 
 
 def test_each_folder_imports_only_what_its_rule_allows():

@@ -1,12 +1,13 @@
-"""serve.py's HTTP layer: the page and the API (docs/serve.md) on the standard library's ThreadingHTTPServer, and the
-checks every request passes first. A local server is an attack surface, so:
+"""serve.py's HTTP layer: the page and the API (docs/serve.md), the routes and the Handler that answers them, and
+the checks every request passes first (their pieces in serve_requests; the server that runs the Handler in
+serve_server). A local server is an attack surface, so:
 
 - the Host header must name the bound address or localhost (a DNS-rebinding page names its own domain), and a POST
   that carries an Origin must come from the server's own page (a cross-site form cannot start jobs);
 - an upload needs a Content-Length within --max-upload-mb (413 before a byte of it is read), a strict multipart
   body (serve_uploads) and photos judged by their content;
 - no name from a client reaches the file system: jobs and files are looked up in the server's own tables;
-- connections and parallel uploads are bounded, and a socket that stalls times out;
+- connections (serve_server) and parallel uploads are bounded, and a socket that stalls times out;
 - a request that fails answers JSON {"error": one line} with its status, and never stops the server.
 """
 
@@ -14,23 +15,23 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
-import socketserver
 import sys
 import threading
 import time
 import zipfile
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import unquote
 
 from sapiens2_app.common.cli import UsageError, one_line, parse_tasks
 from sapiens2_app.common.safe_io import json_text
 from sapiens2_app.serve.serve_attention import Explorer
 from sapiens2_app.serve.serve_jobs import Job, JobStore, ServeModels, Stopping, Worker
-from sapiens2_app.serve.serve_uploads import MAX_IMAGES, MAX_PIXELS, ClientError, boundary_of, check_photo, \
-    parse_multipart, text_field
+from sapiens2_app.serve.serve_requests import MAX_LENGTH_DIGITS, content_length, disposition, host_allowed, \
+    query_args, same_site, whole_number
+from sapiens2_app.serve.serve_uploads import MAX_IMAGES, ClientError, boundary_of, check_photo, parse_multipart, \
+    text_field
 
 STATIC = Path(__file__).resolve().parent / "static"
 PAGES = {"/": ("serve.html", "text/html; charset=utf-8"),
@@ -40,11 +41,9 @@ CONTENT_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".json": "applicatio
 COMPRESSED = (".png", ".jpg", ".safetensors")  # stored as they are in the zip
 PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-MAX_CONNECTIONS = 64  # requests served at once (each holds a thread; an events stream holds one for its job)
 PARALLEL_UPLOADS = 4  # uploads read at once (each holds up to --max-upload-mb in memory)
 SOCKET_TIMEOUT_S = 30  # a client that sends nothing for this long is dropped
 EVENTS_KEEPALIVE_S = 15
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 JOB = r"/api/jobs/(?P<job>[A-Za-z0-9_-]{22})"  # secrets.token_urlsafe(16)
 ROUTES = [  # (method, path pattern, Handler method)
     ("GET", re.compile(r"/|/static/serve\.(js|css)"), "page"),
@@ -78,104 +77,6 @@ class App:
 
     def __post_init__(self):
         self.pages = {path: (STATIC / name).read_bytes() for path, (name, _) in PAGES.items()}
-
-
-class Service:
-    """The server: bound at once (a port in use fails before any model loads), serving once attach() gave it its App;
-    serve_forever() in this thread (serve.py, where a signal ends it) or in_thread() (tests). close() stops it within
-    seconds: no new job, the worker after its photo (or left behind after `timeout` s: a daemon thread, whose writes
-    the closed store refuses), the temporary folder removed (after a write in progress, or `timeout` s)."""
-
-    def __init__(self, host: str, port: int):
-        self.server, self.app, self.thread = Server(host, port), None, None
-        shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{self.server.server_address[1]}/"
-
-    def attach(self, app: App) -> "Service":
-        app.port = self.server.server_address[1]
-        self.app = self.server.app = app
-        return self
-
-    def serve_forever(self):
-        self.server.serve_forever(poll_interval=0.2)
-
-    def in_thread(self) -> "Service":
-        self.thread = threading.Thread(target=self.serve_forever, name="sapiens2-serve-http", daemon=True)
-        self.thread.start()
-        return self
-
-    def close(self, timeout: float = 3.0) -> bool:
-        """True when everything stopped; False when work was left in flight (the worker still busy, or a write
-        still holding the folder, after `timeout` s each): serve.py then ends the process without waiting for it."""
-        if self.app is not None:
-            self.app.stopping.set()
-        if self.thread is not None:  # (serve_forever in this thread has ended already: a signal raised out of it)
-            self.server.shutdown()
-        self.server.server_close()
-        if self.app is None:
-            return True
-        worker_stopped = self.app.worker.stop(timeout)
-        return self.app.store.close(timeout) and worker_stopped
-
-
-class Server(ThreadingHTTPServer):
-    """ThreadingHTTPServer with a bound on connections served at once (more get 503) and no reverse-DNS lookup at
-    bind time."""
-    daemon_threads = True  # a stalled client never holds the process at exit
-    request_queue_size = 64
-
-    app: App | None = None  # (Service.attach)
-
-    def __init__(self, host: str, port: int):
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__((host, port), Handler)
-
-    def server_bind(self):
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            body = json_text({"error": f"busy: {MAX_CONNECTIONS} requests in progress; try again"}).encode()
-            try:
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-    def handle_error(self, request, client_address):
-        print(f"serve: error while answering {client_address[0]}: {one_line(str(sys.exc_info()[1]))}", file=sys.stderr)
-
-
-def host_allowed(value: str | None, hosts: frozenset[str], port: int) -> bool:
-    """Does a Host header (or an Origin's host:port) name this server: an accepted name, and its port?"""
-    if not value:
-        return False
-    try:
-        parts = urlsplit("//" + value)
-        given_port = parts.port
-    except ValueError:
-        return False
-    return parts.hostname in hosts and (given_port or 80) == port and parts.path == "" and not parts.username
-
-
-def same_site(origin: str, hosts: frozenset[str], port: int) -> bool:
-    """Is an Origin header this server's own page (http://HOST:PORT)? A cross-site form's is its site's."""
-    return origin.startswith("http://") and host_allowed(origin[len("http://"):], hosts, port)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -460,47 +361,3 @@ class Handler(BaseHTTPRequestHandler):
         found = self.job(job)
         args = query_args(query, {"image": "0", "task": ""})
         self.send_json(200, self.app.explorer.norms(found, whole_number(args, "image"), args["task"] or None))
-
-
-def query_args(query: str, defaults: dict[str, str]) -> dict[str, str]:
-    """A URL's query as {name: value}: only the names in `defaults` (missing ones take their default), each once."""
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=len(defaults))
-    except ValueError:
-        raise ClientError(400, f"malformed query string (expected at most {', '.join(defaults)})") from None
-    names = [name for name, _ in pairs]
-    if unknown := [name for name in names if name not in defaults or names.count(name) > 1]:
-        raise ClientError(400, f"query parameter {unknown[0][:40]!r}: unknown or repeated (expected "
-                               f"{', '.join(defaults)})")
-    return {**defaults, **dict(pairs)}
-
-
-MAX_LENGTH_DIGITS = 15  # a Content-Length of up to a petabyte, far over any --max-upload-mb
-
-
-def content_length(text: str | None) -> int | None:
-    """A Content-Length header's number of bytes; None when absent or not ASCII digits ("²" passes str.isdigit and
-    then int() refuses it; int() refuses more than 4300 digits too). Only HTTP's spaces and tabs around it are
-    ignored: str.strip() takes control characters such as \x1d too, which int() does not."""
-    value = None if text is None else text.strip(" \t")
-    if value is None or not re.fullmatch(rf"[0-9]{{1,{MAX_LENGTH_DIGITS}}}", value):
-        return None
-    return int(value)
-
-
-def whole_number(args: dict[str, str], name: str) -> int:
-    text = args[name]
-    if not re.fullmatch(r"-?[0-9]{1,6}", text):
-        raise ClientError(400, f"{name}={text[:20]!r}: expected a whole number")
-    return int(text)
-
-
-def disposition(kind: str, name: str) -> str:
-    """Content-Disposition with the name as ASCII (others as _) and in full as RFC 5987 UTF-8."""
-    ascii_name = re.sub(r'[^A-Za-z0-9._ -]', "_", name)
-    return f"{kind}; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(name, safe='')}"
-
-
-def limits_json(max_upload_mb: int, keep_jobs: int) -> dict:
-    return {"max_upload_mb": max_upload_mb, "max_images": MAX_IMAGES, "max_megapixels": MAX_PIXELS / 1e6,
-            "keep_jobs": keep_jobs}
