@@ -38,7 +38,7 @@ from sapiens2 import PRESETS, weights
 from sapiens2_app.common import safe_io
 from sapiens2_app.common.artefacts import TASKS
 from sapiens2_app.common.cli import (INTERRUPTED, TERMINATED, OneLineErrorParser, StopSignals, Terminated, UsageError,
-                              parse_size)
+                                     parse_size)
 from sapiens2_app.export.checks import (CheckFailed, WriteFailed, check_against_eager, check_output_path,
                                         check_packages, compare, example_input, tolerance, write_error_text)
 from sapiens2_app.export.formats import FORMATS, WRITERS, ExportWrapper, reference_kernels
