@@ -6,7 +6,7 @@
     python export.py features --model 1b --format torch-export -o backbone-1b.pt2
 
 The artifact takes `pixel_values` (B, 3, H, W) float32, normalized RGB as `processing.preprocess` makes it (any
---dtype casts it inside), and returns the task's tensors by name (OUTPUTS). Post-processing stays in Python
+--dtype casts it inside), and returns the task's tensors by name (formats.OUTPUTS). Post-processing stays in Python
 (processing.py); docs/export.md shows the lines for an ONNX model.
 
 This file is the command: its arguments, the flow of an export and its exit statuses. What it leans on is in
