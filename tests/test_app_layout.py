@@ -20,6 +20,7 @@ ALLOWED = {
     "predict": {"common", "detector"},  # pose needs person boxes
     "train": {"common", "augment", "predict", "detector"},  # a teacher predicts as predict.py does
     "serve": {"common", "predict"},  # every job runs predict's inference and outputs
+    "export": {"common", "predict"},  # the model is loaded as predict.py loads it
 }
 MAX_MODULES = 15  # a folder a reader can take in at once
 MAX_LINES = 450  # the design rule (README, layout): one module per concern, a few hundred lines, ~450 at most

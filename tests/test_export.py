@@ -2,10 +2,10 @@
 with eager PyTorch; bf16 RoPE kept exactly through ONNX; the failure paths (tolerance exceeded, missing
 packages, bad arguments) leave nothing behind.
 
-Tolerances (max |artifact - eager| / max |eager|): ONNX fp32 1e-4 (export.TOLERANCE; measured 5e-7 to 3.4e-6),
+Tolerances (max |artifact - eager| / max |eager|): ONNX fp32 1e-4 (checks.TOLERANCE; measured 5e-7 to 3.4e-6),
 ONNX fp16 1e-2 (ONNX Runtime's CPU provider computes fp16 ops in fp32, eager rounds each op to fp16);
-torch.export fp32: equal to eager, bit for bit (the same ATen kernels); bf16: export.tolerance. The export's own
-check bounds are export.tolerance (looser with bf16 RoPE); the tiny models are held to the tighter values above.
+torch.export fp32: equal to eager, bit for bit (the same ATen kernels); bf16: checks.tolerance. The export's own
+check bounds are checks.tolerance (looser with bf16 RoPE); the tiny models are held to the tighter values above.
 onnx, onnxscript and onnxruntime come from requirements-test.txt.
 """
 
@@ -22,6 +22,8 @@ from torch.onnx._internal.exporter import _onnx_program as onnx_program_module
 
 import export
 from sapiens2 import heads, kernels, weights
+from sapiens2_app.common import artefacts
+from sapiens2_app.export import checks, formats, models, quantize
 from conftest import rel_err
 from sapiens2 import Sapiens2, Sapiens2Config, rope_tables_bf16
 
@@ -49,17 +51,17 @@ def tiny_model(task: str):
 def checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("checkpoints")
     torch.manual_seed(0)
-    return {task: weights.save(tiny_model(task), folder / f"{task}.safetensors") for task in export.TASKS}
+    return {task: weights.save(tiny_model(task), folder / f"{task}.safetensors") for task in artefacts.TASKS}
 
 
 def eager(task, checkpoint, pixels, rope="bfloat16", dtype=torch.float32):
-    model, _ = export.load_model(task, str(checkpoint), dtype, rope)
+    model, _ = models.load_model(task, str(checkpoint), dtype, rope)
     with torch.no_grad():
-        return export.ExportWrapper(model, task)(pixels)
+        return formats.ExportWrapper(model, task)(pixels)
 
 
 def pixels_for(task, batch, seed=1):
-    return export.example_input(batch, POINTMAP_SIZE if task == "pointmap" else SIZE, seed)
+    return checks.example_input(batch, POINTMAP_SIZE if task == "pointmap" else SIZE, seed)
 
 
 def run_export(*argv) -> int:
@@ -70,7 +72,7 @@ def leftovers(folder):
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
-@pytest.mark.parametrize("task", export.TASKS)
+@pytest.mark.parametrize("task", artefacts.TASKS)
 def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, capsys, monkeypatch):
     path = tmp_path / f"{task}.onnx"
     if task == "albedo":  # weights beside the graph (NAME.onnx.data), as for models over 1.5 GB
@@ -81,20 +83,20 @@ def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, caps
     weights_file = [f"{path.name}.data"] if task == "albedo" else []
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] + weights_file
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    assert [o.name for o in session.get_outputs()] == list(export.OUTPUTS[task])
+    assert [o.name for o in session.get_outputs()] == list(formats.OUTPUTS[task])
     info = json.loads({p.key: p.value for p in onnx.load(str(path)).metadata_props}["sapiens2"])
     assert info["task"] == task and info["rope_dtype"] == "bfloat16"
     for batch in (1, 3):
         pixels = pixels_for(task, batch)
-        got = dict(zip(export.OUTPUTS[task], session.run(None, {"pixel_values": pixels.numpy()})))
+        got = dict(zip(formats.OUTPUTS[task], session.run(None, {"pixel_values": pixels.numpy()})))
         want = eager(task, checkpoints[task], pixels)
-        for name in export.OUTPUTS[task]:
+        for name in formats.OUTPUTS[task]:
             err = rel_err(torch.from_numpy(got[name]), want[name])
             print(f"{task}.{name} batch {batch}: ONNX vs eager (bf16 RoPE) {err:.2e}")
             assert got[name].shape == tuple(want[name].shape)
             assert err < 1e-4
     # bf16 RoPE really survived: the fp32-RoPE model is much farther from the ONNX output than eager bf16 is
-    name = export.OUTPUTS[task][0]
+    name = formats.OUTPUTS[task][0]
     fp32_rope = eager(task, checkpoints[task], pixels, rope="float32")[name]
     onnx_out, bf16_rope = torch.from_numpy(got[name]), want[name]
     print(f"{task}.{name}: vs bf16-RoPE eager {rel_err(onnx_out, bf16_rope):.2e}, "
@@ -102,7 +104,7 @@ def test_onnx_matches_eager_at_two_batch_sizes(task, checkpoints, tmp_path, caps
     assert rel_err(onnx_out, fp32_rope) > 5 * max(rel_err(onnx_out, bf16_rope), 1e-7)
 
 
-@pytest.mark.parametrize("task", export.TASKS)
+@pytest.mark.parametrize("task", artefacts.TASKS)
 def test_torch_export_round_trip_equals_eager(task, checkpoints, tmp_path):
     path = tmp_path / f"{task}.pt2"
     argv = ["--format", "torch-export", "--dynamic-batch"]
@@ -114,7 +116,7 @@ def test_torch_export_round_trip_equals_eager(task, checkpoints, tmp_path):
         with torch.no_grad():
             got = program(pixels)
         want = eager(task, checkpoints[task], pixels)
-        assert list(got) == list(export.OUTPUTS[task])
+        assert list(got) == list(formats.OUTPUTS[task])
         for name in want:
             assert torch.equal(got[name], want[name]), f"{task}.{name} batch {batch}"
 
@@ -146,7 +148,7 @@ def test_onnx_fp16_fixed_size_by_default_and_size_option(checkpoints, tmp_path, 
     assert session.get_inputs()[0].shape == [1, 3, 32, 64]  # fixed: batch 1 and the --size
     assert session.get_inputs()[0].type == "tensor(float)"  # the input stays float32; the cast is inside
     assert [o.type for o in session.get_outputs()] == ["tensor(float16)"] * 2
-    pixels = export.example_input(1, (32, 64), seed=3)
+    pixels = checks.example_input(1, (32, 64), seed=3)
     got = session.run(None, {"pixel_values": pixels.numpy()})
     want = eager("features", checkpoints["features"], pixels, dtype=torch.float16)
     assert got[1].shape == (1, 32, 2, 4)
@@ -154,7 +156,7 @@ def test_onnx_fp16_fixed_size_by_default_and_size_option(checkpoints, tmp_path, 
     print(f"features fp16 ONNX vs eager: {err:.2e}")
     assert err < 1e-2
     with pytest.raises(Exception):  # a fixed batch axis: batch 2 is refused
-        session.run(None, {"pixel_values": export.example_input(2, (32, 64)).numpy()})
+        session.run(None, {"pixel_values": checks.example_input(2, (32, 64)).numpy()})
 
 
 # int8 vs fp32 on the tiny models: int8 weights (one scale per tensor: steps of max|w| / 127) and uint8 activations
@@ -185,15 +187,15 @@ def test_onnx_int8_is_smaller_runs_and_agrees_with_fp32(task, checkpoints, tmp_p
     out = capsys.readouterr().out
     weights_file = [f"{int8.name}.data"] if task == "pose" else []
     assert sorted(p.name for p in int8.parent.iterdir()) == [int8.name] + weights_file  # no fp32 or staging left
-    print(f"{task}: int8 {export.onnx_bytes(int8)} bytes, fp32 {export.onnx_bytes(fp32)} bytes")
-    assert export.onnx_bytes(int8) < 0.8 * export.onnx_bytes(fp32)
+    print(f"{task}: int8 {formats.onnx_bytes(int8)} bytes, fp32 {formats.onnx_bytes(fp32)} bytes")
+    assert formats.onnx_bytes(int8) < 0.8 * formats.onnx_bytes(fp32)
     model = onnx.load(str(int8))
     assert "MatMulInteger" in {node.op_type for node in model.graph.node}
     info = json.loads({p.key: p.value for p in model.metadata_props}["sapiens2"])
-    assert info["quantization"] == export.QUANTIZATION["int8"]
+    assert info["quantization"] == quantize.QUANTIZATION["int8"]
     numbers = printed_agreement(out)
     print(task, numbers)
-    name = export.OUTPUTS[task][0]
+    name = formats.OUTPUTS[task][0]
     assert 0 < numbers[f"{name} max relative"] <= INT8_BARS["max relative"]  # 0: nothing was quantized
     if task == "seg":
         assert numbers["pixels of the same class"] >= INT8_BARS["pixels of the same class"]
@@ -201,7 +203,7 @@ def test_onnx_int8_is_smaller_runs_and_agrees_with_fp32(task, checkpoints, tmp_p
         assert numbers["keypoint distance px"] <= INT8_BARS["keypoint distance px"]
     pixels = pixels_for(task, 1)  # another input than the check's, through onnxruntime
     session = onnxruntime.InferenceSession(str(int8), providers=["CPUExecutionProvider"])
-    got = dict(zip(export.OUTPUTS[task], map(torch.from_numpy, session.run(None, {"pixel_values": pixels.numpy()}))))
+    got = dict(zip(formats.OUTPUTS[task], map(torch.from_numpy, session.run(None, {"pixel_values": pixels.numpy()}))))
     assert rel_err(got[name], eager(task, checkpoints[task], pixels)[name]) <= INT8_BARS["max relative"]
 
 
@@ -210,27 +212,27 @@ def test_int8_agreement_numbers_on_known_outputs():
     logits[0, 0] = 1  # class 0 everywhere
     moved = logits.clone()
     moved[0, 2, 1, 1] = 2  # one pixel of four becomes class 2
-    numbers = export.int8_agreement("seg", {"logits": moved}, {"logits": logits})
+    numbers = quantize.int8_agreement("seg", {"logits": moved}, {"logits": logits})
     assert numbers == {"logits max relative": 2.0, "logits mean abs": 2 / 12, "pixels of the same class": 0.75}
     heatmaps = torch.zeros(1, 2, 8, 8)
     heatmaps[0, :, 1, 1] = 1
     shifted = torch.zeros(1, 2, 8, 8)
     shifted[0, 0, 1, 1] = shifted[0, 1, 5, 4] = 1  # the second keypoint's peak moves by (3, 4): 5 pixels
-    assert export.int8_agreement("pose", {"heatmaps": shifted}, {"heatmaps": heatmaps})["keypoint distance px"] == 2.5
+    assert quantize.int8_agreement("pose", {"heatmaps": shifted}, {"heatmaps": heatmaps})["keypoint distance px"] == 2.5
     normals = torch.tensor([1.0, 0, 0]).view(1, 3, 1, 1)
     turned = torch.tensor([0.0, 1, 0]).view(1, 3, 1, 1)
-    angle = export.int8_agreement("normal", {"normals": turned}, {"normals": normals})["normal angle deg"]
+    angle = quantize.int8_agreement("normal", {"normals": turned}, {"normals": normals})["normal angle deg"]
     assert angle == pytest.approx(90.0, abs=1e-9)
 
 
 def test_int8_outputs_that_are_not_finite_fail_the_check(checkpoints, tmp_path, monkeypatch, capsys):
-    real_run = export.run_onnx
+    real_run = quantize.run_onnx
 
     def nan_from_int8(file, pixels):  # the fp32 export is checked in the staging folder's fp32/
         outputs = real_run(file, pixels)
         return outputs if file.parent.name == "fp32" else {name: t * math.nan for name, t in outputs.items()}
 
-    monkeypatch.setattr(export, "run_onnx", nan_from_int8)
+    monkeypatch.setattr(quantize, "run_onnx", nan_from_int8)
     assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx", "--quantize", "int8") == 1
     err = capsys.readouterr().err
     assert "error: the int8 model's logits has values that are not finite: " in err and "not written" in err
@@ -249,7 +251,7 @@ def test_torch_export_bf16_within_its_tolerance(checkpoints, tmp_path):
     want = eager("normal", checkpoints["normal"], pixels, dtype=torch.bfloat16)["normals"]
     err = rel_err(got, want)
     print(f"normal bf16 torch.export vs eager: {err:.2e}")
-    assert got.dtype == torch.bfloat16 and err < export.tolerance(torch.bfloat16, "bfloat16")
+    assert got.dtype == torch.bfloat16 and err < checks.tolerance(torch.bfloat16, "bfloat16")
 
 
 def test_bf16_rope_is_bit_exact_in_onnx(tmp_path):
@@ -262,9 +264,9 @@ def test_bf16_rope_is_bit_exact_in_onnx(tmp_path):
             return kernels.rope_reference(q, cos, sin)
 
     q = torch.randn(2, 2, 9 + 12, 16) * 3
-    with torch.no_grad(), export.quiet_exporter():
-        program = torch.onnx.export(Rope().eval(), (q,), dynamo=True, opset_version=export.ONNX_OPSET, verbose=False)
-    assert export.emulate_bf16_arithmetic(program.model) >= 2  # (the multiplications and the addition)
+    with torch.no_grad(), formats.quiet_exporter():
+        program = torch.onnx.export(Rope().eval(), (q,), dynamo=True, opset_version=formats.ONNX_OPSET, verbose=False)
+    assert formats.emulate_bf16_arithmetic(program.model) >= 2  # (the multiplications and the addition)
     program.save(str(tmp_path / "rope.onnx"))
     session = onnxruntime.InferenceSession(str(tmp_path / "rope.onnx"), providers=["CPUExecutionProvider"])
     for seed in range(3):
@@ -282,7 +284,7 @@ def test_onnx_cast_rounds_to_nearest_even_like_torch():
          helper.make_node("Cast", ["b"], ["y"], to=TensorProto.FLOAT)],
         "round_trip", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", export.ONNX_OPSET)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", formats.ONNX_OPSET)])
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     values = torch.randn(20000) * torch.randn(20000).mul(8).exp()
     bf16 = torch.randn(20000).bfloat16().float()
@@ -296,13 +298,13 @@ def test_onnx_cast_rounds_to_nearest_even_like_torch():
 def test_check_failure_exits_1_and_keeps_nothing(conventions, drift, bound, checkpoints, tmp_path, monkeypatch, capsys):
     path = tmp_path / "seg.pt2"
     path.write_bytes(b"an earlier export")
-    write, run = export.WRITERS["torch-export"]
+    write, run = formats.WRITERS["torch-export"]
 
     def drifting_run(artifact, pixels):
         outputs = run(artifact, pixels)
         return {name: t + drift * t.abs().max() for name, t in outputs.items()}
 
-    monkeypatch.setitem(export.WRITERS, "torch-export", (write, drifting_run))
+    monkeypatch.setitem(formats.WRITERS, "torch-export", (write, drifting_run))
     argv = ["--format", "torch-export", "--conventions", conventions]
     assert run_export("seg", "--model", checkpoints["seg"], "-o", path, *argv) == 1
     err = capsys.readouterr().err
@@ -316,7 +318,7 @@ def test_export_error_leaves_nothing(checkpoints, tmp_path, monkeypatch):
         path.write_bytes(b"half")
         raise RuntimeError("exporter crashed")
 
-    monkeypatch.setitem(export.WRITERS, "torch-export", (broken_writer, None))
+    monkeypatch.setitem(formats.WRITERS, "torch-export", (broken_writer, None))
     with pytest.raises(RuntimeError, match="exporter crashed"):
         run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.pt2", "--format", "torch-export")
     assert list(tmp_path.iterdir()) == []
@@ -327,7 +329,7 @@ def test_missing_onnx_package_one_line_hint(missing, checkpoints, tmp_path, monk
     monkeypatch.setitem(sys.modules, missing, None)  # makes `import missing` raise ImportError
     assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx") == 2
     err = capsys.readouterr().err
-    assert err == f"error: --format onnx needs {missing}: {export.ONNX_HINT}\n"
+    assert err == f"error: --format onnx needs {missing}: {checks.ONNX_HINT}\n"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -335,7 +337,7 @@ def test_missing_quantization_tools_one_line_hint(checkpoints, tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "onnxruntime.quantization", None)  # makes its import raise ImportError
     assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx", "--quantize", "int8") == 2
     err = capsys.readouterr().err
-    assert err == f"error: --quantize int8 needs onnxruntime.quantization: {export.QUANTIZE_HINT}\n"
+    assert err == f"error: --quantize int8 needs onnxruntime.quantization: {checks.QUANTIZE_HINT}\n"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -366,7 +368,7 @@ def test_bad_arguments_exit_2_with_a_clear_message(argv, message, checkpoints, t
 
 
 def test_unwritable_output_exit_2(checkpoints, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(export.os, "access", lambda path, mode: False)  # (as root, chmod would not stop us)
+    monkeypatch.setattr(checks.os, "access", lambda path, mode: False)  # (as root, chmod would not stop us)
     assert run_export("seg", "--model", checkpoints["seg"], "-o", tmp_path / "seg.onnx") == 2
     assert "not writable" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
 
@@ -426,7 +428,7 @@ def test_random_init_exports_offline_and_says_so(tmp_path, monkeypatch, capsys):
     assert info["random_weights"] is True and info["sapiens2_config"]["embed_dim"] == 32
     assert info["head_config"]["upsample_channels"] == [512, 256, 128, 64]  # the released seg-0.4b head
     with torch.no_grad():
-        assert program(export.example_input(1, (64, 48)))["logits"].shape == (1, 29, 64, 48)
+        assert program(checks.example_input(1, (64, 48)))["logits"].shape == (1, 29, 64, 48)
     assert run_export("seg", "--model", "0.4b", "--random-backbone", "tiny", "-o", tmp_path / "x.pt2",
                       "--format", "torch-export") == 2  # never (the default): offline, 0.4b cannot be had
     assert "error: " in capsys.readouterr().err and not (tmp_path / "x.pt2").exists()

@@ -238,10 +238,8 @@ def test_extras_install_what_the_hints_name():
 
 
 def _export_hint() -> str:
-    spec = importlib.util.spec_from_file_location("export_command", ROOT / "export.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ONNX_HINT
+    from sapiens2_app.export.checks import ONNX_HINT
+    return ONNX_HINT
 
 
 def _hub_hint() -> str:

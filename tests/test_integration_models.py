@@ -14,6 +14,7 @@ import export
 import predict
 import train
 from sapiens2 import weights
+from sapiens2_app.export import checks, formats
 from conftest import rel_err
 from test_train import COCO17, make_dataset, run_train, tiny_backbone
 
@@ -93,9 +94,9 @@ def test_export_takes_predicts_conventions(trained, tmp_path, capsys):
         assert export.main(["seg", "--model", str(trained["seg"]), "--format", "torch-export", "-o", str(path),
                             "--conventions", conventions]) == 0
         assert f"RoPE {rope}, tolerance {bound}" in capsys.readouterr().out
-        x = export.example_input(1, (64, 48))
+        x = checks.example_input(1, (64, 48))
         model = weights.load(trained["seg"], rope_dtype=rope)
-        with torch.no_grad(), export.reference_kernels():
+        with torch.no_grad(), formats.reference_kernels():
             assert torch.equal(torch.export.load(str(path)).module()(x)["logits"], model(x).logits)
     with pytest.raises(SystemExit):  # predict.py has no --rope any more, nor has export.py
         export.build_parser().parse_args(["seg", "-o", "x.onnx", "--rope", "float32"])

@@ -60,6 +60,7 @@ def error_lines(err: str) -> list[str]:
 EXPORT_DRIVER = r"""
 import os, resource, signal, sys, time, traceback
 import export
+from sapiens2_app.export import formats
 
 stop = {"signal": None}
 
@@ -69,7 +70,7 @@ class StopDuringImport:  # a meta path finder: sends the signal when torch._dyna
             os.kill(os.getpid(), stop["signal"])
         return None
 
-real_write = export.WriteErrorKept.write
+real_write = formats.WriteErrorKept.write
 
 def ctrl_c_then_write(self, data):  # at the third write: the first ones come back to Python in between
     stop["writes"] += 1
@@ -83,7 +84,7 @@ def write_then_hang(wrapper, example, path, dynamic_batch, info):
     time.sleep(600)
 
 sys.meta_path.insert(0, StopDuringImport())
-export.WriteErrorKept.write = ctrl_c_then_write
+formats.WriteErrorKept.write = ctrl_c_then_write
 model, out = sys.argv[1], sys.argv[2]
 for case, fmt, signum in (("ctrl-c", "onnx", signal.SIGINT), ("sigterm", "onnx", signal.SIGTERM),
                           ("ctrl-c-saving", "torch-export", None), ("full-onnx", "onnx", None),
@@ -92,7 +93,7 @@ for case, fmt, signum in (("ctrl-c", "onnx", signal.SIGINT), ("sigterm", "onnx",
     if case.startswith("full"):
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
     if case == "killed":
-        export.WRITERS["torch-export"] = (write_then_hang, None)
+        formats.WRITERS["torch-export"] = (write_then_hang, None)
     try:
         rc = export.main(["seg", "--model", model, "-o", out + (".onnx" if fmt == "onnx" else ".pt2"),
                           "--format", fmt])

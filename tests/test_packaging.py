@@ -69,6 +69,17 @@ def test_only_sapiens2_names_are_installed(installed):
     assert {"predict.py", "train.py", "export.py", "__main__.py"} <= {p.name for p in (installed / "sapiens2").iterdir()}
 
 
+def test_installed_export_runs_from_elsewhere(installed, tmp_path):
+    """Every folder of sapiens2_app is installed, and `python -m sapiens2 export` reaches the checks that live in
+    sapiens2_app/export/ (a wrong -o suffix: one line, exit 2, before any model loads)."""
+    folders = {p.name for p in (ROOT / "sapiens2_app").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= {p.name for p in (installed / "sapiens2_app").iterdir()}
+    done = run_installed(installed, "-m", "sapiens2", "export", "seg", "--format", "torch-export", "-o", "model.onnx",
+                         cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "error: -o model.onnx: a torch-export file should end in .pt2, e.g. -o model.pt2\n"
+
+
 def test_installed_predict_runs_from_elsewhere(installed, tmp_path):
     Image.fromarray(np.full((40, 30, 3), 128, np.uint8)).save(tmp_path / "photo.png")
     done = run_installed(installed, "-m", "sapiens2", "predict", "seg", "photo.png", "-o", "out",
