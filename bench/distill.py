@@ -51,6 +51,7 @@ from e2e_measure import CpuRssPeak, device_name, device_slug, time_calls  # noqa
 from e2e_models import DTYPES, count_flops  # noqa: E402
 from sapiens2_app.common import safe_io  # noqa: E402
 from sapiens2_app.common.runtime_info import versions  # noqa: E402
+from sapiens2_app.export.formats import onnx_bytes  # noqa: E402
 
 STUDENT = "0.1b"
 ONNX_KINDS = ("fp32", "int8")  # the student's ONNX exports: export.py plain, and with --quantize int8
@@ -188,7 +189,7 @@ def onnx_row(kind: str, size, size_text: str, folder: pathlib.Path, args) -> dic
                            "--format", "onnx", "-o", str(path), "--size", size_text, *quantize],
                           check=True, stdout=subprocess.PIPE, text=True)
     row = {"model": f"{args.task}-{STUDENT} ONNX {kind} (onnxruntime)", "size": f"onnx-{kind}", "input": size_text,
-           "onnx_mb": (path.stat().st_size + sum(p.stat().st_size for p in folder.glob(path.name + ".data"))) / 2**20,
+           "onnx_mb": onnx_bytes(path) / 2**20,
            "export_check": done.stdout.strip().splitlines()}
     row.update(in_child({"kind": "onnx", "path": str(path), "pixels": str(folder / "pixels.npy"),
                          "output": str(folder / f"{kind}.out.npy"), "task": args.task, "device": "cpu",
