@@ -504,13 +504,7 @@ class Run:
 
 def train(args, argv=None) -> int:
     try:
-        run = Run(args, argv)
-        run.setup()
-        status = run.loop()
-        # every process leaves together, its collectives all complete: a process that tears down its gloo group
-        # while work of it is still in flight can abort at exit ("terminate called without an active exception")
-        run.dist.barrier()
-        return status
+        return run_to_the_end(args, argv)
     except USER_ERRORS as error:  # bad data, checkpoint or launch: the message names the file or setting
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -522,6 +516,18 @@ def train(args, argv=None) -> int:
         return INTERRUPTED
     finally:
         distributed.close()
+
+
+def run_to_the_end(args, argv) -> int:
+    """The run, in a frame of its own: when it returns, train() holds nothing of it, so that distributed.close()
+    can free the model and its wrappers before it leaves the process group."""
+    run = Run(args, argv)
+    run.setup()
+    status = run.loop()
+    # every process leaves together, its collectives all complete: a process that tears down its gloo group
+    # while work of it is still in flight can abort at exit ("terminate called without an active exception")
+    run.dist.barrier()
+    return status
 
 
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:

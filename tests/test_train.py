@@ -3,10 +3,12 @@ backbones and synthetic datasets whose labels are learnable: loss down and metri
 that weights.load and predict.py read, exact resume, 1 process == 2 processes (gloo), augmentations that transform
 the targets with the image."""
 
+import gc
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -306,6 +308,33 @@ def test_two_processes_equal_one(engine, one_process_run, tmp_path):
     bad = {k: (two[k] - one[k]).abs().max().item() for k in one if k not in noise
            and not torch.allclose(two[k], one[k], atol=2e-5, rtol=1e-4)}
     assert not bad, bad
+
+
+def test_the_run_is_freed_before_its_process_group(one_process_run, tmp_path, monkeypatch):
+    """When train.py leaves its process group, nothing of the run that holds the group is alive, not even in a
+    reference cycle (torch keeps frames of the optimizer's construction): freed later, at interpreter shutdown,
+    gloo's threads can abort a rank that has finished ("terminate called without an active exception"). One
+    process in a gloo group, as torchrun --nproc-per-node 1 --fsdp makes it."""
+    data, common, _ = one_process_run
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    _, fsdp_module = distributed.fsdp2()
+    alive_at_destroy = []
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_and_count(*args, **kwargs):
+        alive_at_destroy.append(sum(isinstance(o, (train.Run, fsdp_module)) for o in gc.get_objects()))
+        return destroy(*args, **kwargs)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", destroy_and_count)
+    assert train.main([str(a) for a in [*common, "-o", tmp_path / "fsdp", "--fsdp", "--steps", 2]]) == 0
+    assert alive_at_destroy == [0] and not torch.distributed.is_initialized()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------------

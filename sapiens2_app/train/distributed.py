@@ -3,6 +3,7 @@ as they hold it: DDP, FSDP2 shards, blocks that recompute their activations."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -58,8 +59,13 @@ class Distributed:
 
 
 def close():
-    """Leave the process group, if there is one."""
+    """Leave the process group, if there is one, after what is left of the run that holds it (the DDP reducer, the
+    FSDP state). Some of the run's objects sit in reference cycles (frames of the optimizer's construction, kept
+    inside torch, hold the frames that hold the model), which only the cyclic collector frees: left to it, they
+    may go at interpreter shutdown, after the group, where gloo's threads can abort the process ("terminate called
+    without an active exception", one rank's exit -6). Collected here, they go first."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
