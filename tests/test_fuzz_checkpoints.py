@@ -50,10 +50,10 @@ def write_variant(path, saved, config=None, head=None, tensors=None, metadata=No
 
 
 def refusal(path) -> str:
-    start = time.monotonic()
+    start = time.process_time()  # (CPU time: the work a refusal does, not how the machine's cores were shared)
     with pytest.raises(weights.CheckpointError) as error:
         weights.load(path)
-    assert time.monotonic() - start < REFUSAL_SECONDS
+    assert time.process_time() - start < REFUSAL_SECONDS
     message = str(error.value)
     assert str(path) in message
     return message
